@@ -1,0 +1,1 @@
+"""Benchmarks (``flashpage bench <name>``): each measures flashpage and its baselines in one run."""

@@ -1,0 +1,122 @@
+"""Shared plumbing for benchmarks: environment record, result files, markdown tables.
+
+Every benchmark writes ``benchmarks/results/<bench>-<gpu>.json`` as one object
+``{"env": {...}, "rows": [...]}`` (DESIGN.md "Benchmark results") and refreshes its table in
+``benchmarks/README.md`` between ``<!-- bench:<name> -->`` markers.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import re
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def repo_root() -> Path:
+    """The checkout's root (where ``benchmarks/`` lives): the nearest parent holding pyproject.toml."""
+    here = Path(__file__).resolve()
+    for p in here.parents:
+        if (p / "pyproject.toml").exists():
+            return p
+    return Path.cwd()
+
+
+def gpu_slug() -> str:
+    """Short device name for result file names: ``h200``, ``h100``, ``a100``, ``cpu``..."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    for key in ("h200", "h100", "a100", "l40s", "4090", "b200", "gh200"):
+        if key in name:
+            return key
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
+def git_commit() -> str:
+    """The checkout's HEAD commit, or ``unknown`` outside git."""
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=repo_root(),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def env_info(peak_tflops: float | None, peak_tbps: float | None) -> dict[str, Any]:
+    """The ``env`` object of a result file. Peaks are the measured (or profile) roofline ceilings."""
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d"),
+        "git_commit": git_commit(),
+        "peak_tflops": peak_tflops,
+        "peak_tbps": peak_tbps,
+    }
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A GitHub markdown table of ``rows`` restricted to ``columns`` (floats to 3 significant digits)."""
+
+    def fmt(x: Any) -> str:
+        if isinstance(x, float):
+            return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+        return "" if x is None else str(x)
+
+    head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+    return head + "".join("| " + " | ".join(fmt(r.get(c)) for c in columns) + " |\n" for r in rows)
+
+
+def write_results(
+    bench: str,
+    rows: list[dict[str, Any]],
+    env: dict[str, Any],
+    table_columns: Sequence[str] | None = None,
+    out_dir: Path | None = None,
+    note: str = "",
+) -> Path:
+    """Write the result JSON and refresh the benchmark's table in ``benchmarks/README.md``.
+
+    Returns the path of the JSON file.
+    """
+    root = repo_root()
+    out_dir = out_dir or root / "benchmarks" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    slug = gpu_slug()
+    path = out_dir / f"{bench}-{slug}.json"
+    path.write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
+    if table_columns:
+        readme = root / "benchmarks" / "README.md"
+        text = readme.read_text() if readme.exists() else "# Benchmarks\n"
+        start, end = f"<!-- bench:{bench}-{slug} -->", f"<!-- /bench:{bench}-{slug} -->"
+        body = (
+            f"{start}\n### {bench} on {env.get('gpu')} (torch {env.get('torch')}, triton {env.get('triton')}, "
+            f"{env.get('date')}, commit {env.get('git_commit')})\n\n{note}\n\n"
+            f"{markdown_table(rows, table_columns)}{end}"
+        )
+        if start in text and end in text:
+            text = text[: text.index(start)] + body + text[text.index(end) + len(end) :]
+        else:
+            text = text.rstrip() + "\n\n" + body + "\n"
+        readme.write_text(text)
+    return path
+
+
+def do_bench_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of ``fn`` on the GPU (``triton.testing.do_bench``, warm-up first)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))

@@ -1,0 +1,201 @@
+"""The ``flashpage`` command: ``roofline``, ``probe``, ``demo``, ``bench`` (each with ``--help``).
+
+Every subcommand imports its machinery inside its handler, so ``flashpage --help`` stays fast.
+
+- ``flashpage roofline [--model NAME|config.json] [--hardware NAME|profile.json] [--batch B] [--seq S]
+  [--chunk C] [--dtype D] [--json] [--plot FILE.png]``: per phase and op, the arithmetic intensity,
+  ridge, bound, attainable FLOP/s and chosen kernel. Defaults: model ``smollm2-135m`` (the shape of
+  the embedded demo model), hardware detected (this GPU's datasheet profile, else this CPU measured
+  on the spot), batch 8, seq 4096, chunk 512, dtype bfloat16.
+- ``flashpage probe [--out FILE] [--quick]``: measure this device and write a profile JSON that
+  ``--hardware FILE`` and ``load_profile`` accept (stdout without ``--out``).
+- ``flashpage demo [ARGS...]``: the inference demo ``flashpage.engine.demo.main(ARGS)``; until the
+  engine exists, the roofline report of the default model.
+- ``flashpage bench {attention,decode,throughput,all} [--out DIR] [--quick] [ARGS...]``: runs
+  ``flashpage.bench.<name>.main(argv)`` with the remaining arguments.
+
+Exit status: 0 on success, 2 on bad input (the message says what is wrong), 1 when a benchmark fails
+or is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+__all__ = ["build_parser", "main"]
+
+BENCHES: tuple[str, ...] = ("attention", "decode", "throughput")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree of the ``flashpage`` command."""
+    parser = argparse.ArgumentParser(
+        prog="flashpage",
+        description="Roofline-driven LLM attention and inference: FlashAttention and paged-KV kernels, "
+        "a roofline planner, and a vLLM-style engine.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{roofline,probe,demo,bench}")
+
+    r = sub.add_parser(
+        "roofline",
+        help="arithmetic intensity, bound and chosen kernel of every phase/op",
+        description="Print, per phase (prefill, decode, chunked prefill) and op (attention, GEMMs), the "
+        "arithmetic intensity, the hardware ridge point, the bound, the attainable FLOP/s and the kernel "
+        "the planner chooses.",
+    )
+    r.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="built-in model name or HF config.json path (default: smollm2-135m)",
+    )
+    r.add_argument(
+        "--hardware",
+        default=None,
+        help="profile name (h200, h200-measured, h100-sxm, a100-80gb, l40s, rtx-4090, cpu) or profile JSON; "
+        "default: detected (this GPU's datasheet profile, else this CPU measured now)",
+    )
+    r.add_argument("--batch", type=int, default=8, help="sequences per step (default: 8)")
+    r.add_argument(
+        "--seq", type=int, default=4096, help="prompt length / cached context length (default: 4096)"
+    )
+    r.add_argument(
+        "--chunk", type=int, default=512, help="new tokens per chunked-prefill step (default: 512)"
+    )
+    r.add_argument(
+        "--dtype", default="bfloat16", help="bfloat16 | float16 | float32 | fp8 (default: bfloat16)"
+    )
+    r.add_argument(
+        "--json",
+        action="store_true",
+        help="print the JSON object (list of ops under 'ops') instead of the table",
+    )
+    r.add_argument(
+        "--plot", metavar="FILE.png", default=None, help="also draw the roofline with the ops to this PNG"
+    )
+
+    p = sub.add_parser(
+        "probe",
+        help="measure this device and write a hardware profile JSON",
+        description="Measure matmul FLOP/s per dtype and memory copy bandwidth of this device (GPU: "
+        "triton.testing.do_bench; CPU: small sizes, a few seconds) and write a profile JSON.",
+    )
+    p.add_argument(
+        "--out", metavar="FILE", default=None, help="write the profile here (default: print it to stdout)"
+    )
+    p.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if present, else cpu)")
+    p.add_argument("--name", default=None, help="profile name (default: cpu or <gpu>-measured)")
+
+    d = sub.add_parser(
+        "demo",
+        help="run the inference demo (for now: the roofline report)",
+        description="Run flashpage.engine.demo with the remaining arguments; until the engine exists, print "
+        "the roofline report of the default model.",
+    )
+    d.set_defaults(forward=True)
+
+    b = sub.add_parser(
+        "bench",
+        help="run a benchmark (GPU)",
+        description="Run flashpage.bench.<name>.main(argv); remaining arguments are forwarded.",
+    )
+    b.add_argument("which", choices=[*BENCHES, "all"], help="benchmark to run")
+    b.add_argument("--out", metavar="DIR", default=None, help="results directory (forwarded)")
+    b.add_argument("--quick", action="store_true", help="small sweep (forwarded)")
+    b.set_defaults(forward=True)
+    return parser
+
+
+def _cmd_roofline(args: argparse.Namespace) -> int:
+    from flashpage.roofline.hardware import detect_profile, load_profile
+    from flashpage.roofline.model_shapes import get_model_shape
+    from flashpage.roofline.report import build_report, format_table, plot_roofline, report_json
+
+    shape = get_model_shape(args.model)
+    profile = load_profile(args.hardware) if args.hardware else detect_profile()
+    report = build_report(shape, profile, batch=args.batch, seq=args.seq, chunk=args.chunk, dtype=args.dtype)
+    if args.json:
+        print(json.dumps(report_json(report), indent=1))
+    else:
+        print(format_table(report), end="")
+    if args.plot:
+        out = plot_roofline(report, args.plot)
+        print(f"roofline plot written to {out}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from flashpage.roofline.hardware import save_profile
+    from flashpage.roofline.probe import probe
+
+    prof = probe(device=args.device, quick=args.quick, name=args.name)
+    if args.out:
+        path = save_profile(prof, args.out)
+        peaks = ", ".join(f"{k} {v / 1e12:.3g}" for k, v in prof.peak_flops.items())
+        print(f"{prof.name}: matmul TFLOP/s {peaks}; copy {prof.hbm_bandwidth / 1e9:.4g} GB/s -> {path}")
+    else:
+        print(json.dumps(prof.to_dict(), indent=1))
+    return 0
+
+
+def _cmd_demo(extra: list[str]) -> int:
+    try:
+        from flashpage.engine.demo import main as demo_main
+    except ImportError as e:
+        print(
+            f"flashpage demo: the inference engine is not available yet ({e}); "
+            "showing the roofline report of the default model instead.\n",
+            flush=True,
+        )
+        if extra:
+            print(f"(ignoring demo arguments {' '.join(extra)})\n", flush=True)
+        return main(["roofline"])
+    rc = demo_main(extra)
+    return int(rc or 0)
+
+
+def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
+    import importlib
+
+    fwd = [*(["--out", args.out] if args.out else []), *(["--quick"] if args.quick else []), *extra]
+    names = BENCHES if args.which == "all" else (args.which,)
+    rc = 0
+    for name in names:
+        modname = f"flashpage.bench.{name}"
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as e:
+            if e.name is not None and modname.startswith(e.name):
+                print(f"flashpage bench: {modname} is not available yet", file=sys.stderr)
+                rc = 1
+                continue
+            raise
+        rc = max(rc, int(mod.main(list(fwd)) or 0))
+    return rc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``flashpage`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if extra and not getattr(args, "forward", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "demo":
+        return _cmd_demo(extra)
+    if args.command == "bench":
+        return _cmd_bench(args, extra)
+    try:
+        return _cmd_roofline(args) if args.command == "roofline" else _cmd_probe(args)
+    except ValueError as e:  # bad names, malformed profile files, bad sizes: one clear line, no traceback
+        print(f"flashpage {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
