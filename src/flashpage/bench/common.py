@@ -100,6 +100,7 @@ def write_results(
     path.write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
     if table_columns:
         readme = root / "benchmarks" / "README.md"
+        readme.parent.mkdir(parents=True, exist_ok=True)
         text = readme.read_text() if readme.exists() else "# Benchmarks\n"
         start, end = f"<!-- bench:{bench}-{slug} -->", f"<!-- /bench:{bench}-{slug} -->"
         body = (

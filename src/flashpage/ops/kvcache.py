@@ -1,0 +1,241 @@
+"""``flashpage.flash_attn_with_kvcache``: flash-attn 2.x's KV-cache attention on the Triton kernels.
+
+Same signature, layouts and semantics as ``flash_attn.flash_attn_with_kvcache`` (DESIGN.md), with
+paged caches of any power-of-two block size from 8 to 256:
+
+* contiguous cache ``(batch_cache, seqlen_cache, nheads_k, d)`` (rows picked by ``cache_batch_idx``),
+  or paged cache ``(num_blocks, block_size, nheads_k, d)`` with ``block_table (batch, max_blocks)``;
+* new ``k``/``v`` ``(batch, seqlen_new, nheads_k, d)`` are written in place at positions
+  ``cache_seqlens[b] ..`` (the cache-write kernel), then ``q`` attends to the first
+  ``cache_seqlens[b] + seqlen_new`` keys, bottom-right aligned;
+* rotary (``rotary_cos/sin (seqlen_ro, rotary_dim / 2)``) rotates ``k`` at positions
+  ``cache_seqlens + arange(seqlen_new)`` and ``q`` at ``cache_seqlens + arange(seqlen_q)`` when causal
+  or local, else all of ``q`` at ``cache_seqlens``; interleaved (GPT-J) or not (GPT-NeoX);
+* ``num_splits=0`` lets the roofline planner choose the split-KV count (from the cache capacity, so
+  no device sync); ``return_softmax_lse`` adds ``lse (batch, nheads, seqlen_q)``.
+
+Extensions (keyword-only): an fp8 e4m3 cache is read with unit scales, or ``k_scale/v_scale
+(nheads_k,)`` when given (new k/v are quantised with them); ``validate=False`` skips the host-side
+value checks (block ids, lengths), which need a device sync.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flashpage.ops.cache_write import reshape_and_cache
+from flashpage.ops.paged_decode import (
+    check_paged_cache,
+    check_paged_values,
+    default_decode_config,
+    launch_paged_attention,
+    resolve_num_splits,
+    tile_shape,
+)
+from flashpage.ops.paged_prefill import default_prefill_config
+
+__all__ = ["apply_rotary", "flash_attn_with_kvcache"]
+
+# Up to this many (query token x group head) rows per sequence the decode tiles are used.
+_DECODE_ROWS = 64
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
+    """Rotary embedding of ``x (batch, seqlen, nheads, d)`` at ``positions (batch, seqlen)``.
+
+    ``cos/sin (seqlen_ro, rotary_dim / 2)``; only the first ``rotary_dim`` features rotate. Computed
+    in float32, returned in ``x``'s dtype. Interleaved pairs features ``(2i, 2i+1)``; otherwise
+    ``(i, i + rotary_dim / 2)``.
+    """
+    half = cos.shape[1]
+    rd = 2 * half
+    c = cos.float()[positions].unsqueeze(2)  # (b, s, 1, half)
+    s = sin.float()[positions].unsqueeze(2)
+    xr = x[..., :rd].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def flash_attn_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None = None,
+    v: Tensor | None = None,
+    rotary_cos: Tensor | None = None,
+    rotary_sin: Tensor | None = None,
+    cache_seqlens: Tensor | int | None = None,
+    cache_batch_idx: Tensor | None = None,
+    block_table: Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    *,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    validate: bool = True,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of ``q`` over a KV cache, appending new ``k``/``v`` first (flash-attn 2.x contract).
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, d)``.
+        k_cache, v_cache: ``(batch_cache, seqlen_cache, nheads_k, d)`` or, with ``block_table``,
+            ``(num_blocks, block_size, nheads_k, d)``; updated in place when ``k``/``v`` are given.
+        k, v: optional ``(batch, seqlen_new, nheads_k, d)`` new tokens.
+        rotary_cos, rotary_sin: optional ``(seqlen_ro, rotary_dim / 2)``; needs ``k``/``v``.
+        cache_seqlens: ``(batch,)`` int32 or an int: tokens already in the cache (default: full).
+        cache_batch_idx: ``(batch,)`` int32 cache rows of a contiguous cache.
+        block_table: ``(batch, max_blocks_per_seq)`` int32 for a paged cache.
+        window_size: ``(left, right)``, ``-1`` unbounded; causal is ``right = 0``.
+        alibi_slopes: ``(nheads,)`` or ``(batch, nheads)`` float32.
+        num_splits: split-KV count, ``0`` = roofline planner.
+    Returns:
+        ``out (batch, seqlen_q, nheads, d)``; with ``return_softmax_lse`` also
+        ``softmax_lse (batch, nheads, seqlen_q)`` float32 (natural log).
+    """
+    if not isinstance(q, Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be (batch, seqlen_q, nheads, d), got {getattr(q, 'shape', q)}")
+    batch, seqlen_q, nheads, d = q.shape
+    paged = block_table is not None
+    if not isinstance(k_cache, Tensor) or k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be a 4-D tensor, got {getattr(k_cache, 'shape', k_cache)}")
+    capacity = (
+        block_table.shape[1] * k_cache.shape[1]
+        if paged and isinstance(block_table, Tensor)
+        else k_cache.shape[1]
+    )
+    if cache_seqlens is None:  # flash-attn: the whole cache is valid
+        cache_seqlens = capacity
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    if paged and cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx is not supported with a paged cache (block_table)")
+    if cache_batch_idx is not None:
+        if not isinstance(cache_batch_idx, Tensor) or cache_batch_idx.dtype != torch.int32:
+            raise TypeError("cache_batch_idx must be an int32 tensor")
+        if tuple(cache_batch_idx.shape) != (batch,) or cache_batch_idx.device != q.device:
+            raise ValueError(
+                f"cache_batch_idx must be ({batch},) on q's device, got {tuple(cache_batch_idx.shape)}"
+            )
+    elif not paged and k_cache.shape[0] < batch:
+        raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, fewer than q's batch {batch}")
+    check_paged_cache(
+        q, k_cache, v_cache, block_table, cache_seqlens, batch=batch, alibi_slopes=alibi_slopes,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    seqlen_new = 0
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    if k is not None:
+        assert v is not None
+        nheads_k = k_cache.shape[2]
+        for name, x in (("k", k), ("v", v)):
+            if (
+                not isinstance(x, Tensor)
+                or x.dim() != 4
+                or x.shape[0] != batch
+                or tuple(x.shape[2:]) != (nheads_k, d)
+            ):
+                raise ValueError(
+                    f"{name} must be (batch={batch}, seqlen_new, {nheads_k}, {d}), got {getattr(x, 'shape', x)}"
+                )
+            if x.dtype != q.dtype or x.device != q.device:
+                raise TypeError(
+                    f"{name} must have q's dtype {q.dtype} and device, got {x.dtype} on {x.device}"
+                )
+        if k.shape != v.shape:
+            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+        seqlen_new = k.shape[1]
+    if rotary_cos is not None or rotary_sin is not None:
+        if rotary_cos is None or rotary_sin is None or k is None:
+            raise ValueError("rotary_cos and rotary_sin go together and need k/v (flash-attn semantics)")
+        if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or 2 * rotary_cos.shape[1] > d:
+            raise ValueError(
+                f"rotary_cos/sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim <= {d}, "
+                f"got {tuple(rotary_cos.shape)} / {tuple(rotary_sin.shape)}"
+            )
+    if validate:
+        check_paged_values(
+            block_table, cache_seqlens + seqlen_new, k_cache.shape[0], k_cache.shape[1] if paged else capacity,
+            seqlens_name="cache_seqlens + seqlen_new",
+        )  # fmt: skip
+        if cache_batch_idx is not None and batch:
+            lo, hi = int(cache_batch_idx.min()), int(cache_batch_idx.max())
+            if lo < 0 or hi >= k_cache.shape[0]:
+                raise ValueError(f"cache_batch_idx values must be in [0, {k_cache.shape[0]}), got {lo}..{hi}")
+        if rotary_cos is not None and batch:
+            need = int(cache_seqlens.max()) + max(seqlen_new, seqlen_q)
+            if need > rotary_cos.shape[0]:
+                raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions, {need} are needed")
+
+    start = cache_seqlens.long()
+    if rotary_cos is not None:
+        assert rotary_sin is not None and k is not None
+        ro_max = rotary_cos.shape[0] - 1
+        pos_k = (start[:, None] + torch.arange(seqlen_new, device=q.device)).clamp_max(ro_max)
+        k = apply_rotary(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved)
+        if causal or window_size != (-1, -1):
+            pos_q = start[:, None] + torch.arange(seqlen_q, device=q.device)
+        else:
+            pos_q = start[:, None].expand(batch, seqlen_q)
+        q = apply_rotary(q, rotary_cos, rotary_sin, pos_q.clamp_max(ro_max), rotary_interleaved)
+    if k is not None and seqlen_new:
+        assert v is not None
+        pos = start[:, None] + torch.arange(seqlen_new, device=q.device)  # (batch, seqlen_new)
+        if paged:
+            bs = k_cache.shape[1]
+            col = (pos // bs).clamp_max(block_table.shape[1] - 1)
+            slots = block_table.long().gather(1, col) * bs + pos % bs
+        else:
+            rows = (
+                cache_batch_idx.long()
+                if cache_batch_idx is not None
+                else torch.arange(batch, device=q.device)
+            )
+            slots = rows[:, None] * k_cache.shape[1] + pos
+        # Tokens past the cache's capacity are dropped (validate=True has already rejected them).
+        slots = torch.where(pos < capacity, slots, -1)
+        reshape_and_cache(
+            k.reshape(batch * seqlen_new, *k.shape[2:]), v.reshape(batch * seqlen_new, *v.shape[2:]),
+            k_cache, v_cache, slots.reshape(-1), k_scale=k_scale, v_scale=v_scale, validate=False,
+        )  # fmt: skip
+    seqlens_k = (cache_seqlens + seqlen_new).to(torch.int32) if seqlen_new else cache_seqlens
+
+    nheads_k = k_cache.shape[2]
+    group = nheads // nheads_k
+    if seqlen_q * group <= _DECODE_ROWS:
+        config = default_decode_config(k_cache.dtype, d)
+    else:
+        config = default_prefill_config(d)
+    _, tiles = tile_shape(config, seqlen_q, group)
+    splits = resolve_num_splits(num_splits, batch * tiles, nheads_k, capacity, config.block_n, q.device)
+    qp = q.reshape(batch * seqlen_q, nheads, d)
+    out = torch.empty_like(qp)
+    lse = (
+        torch.empty(batch, seqlen_q, nheads, dtype=torch.float32, device=q.device)
+        if return_softmax_lse
+        else None
+    )
+    if out.numel():
+        launch_paged_attention(
+            qp, k_cache, v_cache, out, seqlens_k, max_seqlen_q=seqlen_q, block_table=block_table,
+            cache_batch_idx=cache_batch_idx, lse=lse.view(batch * seqlen_q, nheads).t() if lse is not None else None,
+            softmax_scale=softmax_scale if softmax_scale is not None else d**-0.5, causal=causal,
+            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, k_scale=k_scale,
+            v_scale=v_scale, num_splits=splits, config=config,
+        )  # fmt: skip
+    out = out.view(batch, seqlen_q, nheads, d)
+    if lse is None:
+        return out
+    return out, lse.permute(0, 2, 1).contiguous()

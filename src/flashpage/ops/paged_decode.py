@@ -1,0 +1,857 @@
+"""Paged attention kernels: split-KV flash-decoding over the paged cache, and the LSE combine.
+
+One Triton kernel, :func:`_paged_attn_kernel`, serves decode and (chunked) prefill: a program owns
+``BLOCK_M`` query *rows* of one sequence and one KV head, where a row is a (query token, query head
+of the GQA group) pair: row ``m`` is token ``q0 + m // G``, head ``kvh * G + m % G``. So every query
+head of a group is processed together and each KV byte is read once per program. The grid is
+``(q_tiles * num_splits, nheads_k, batch)``; decode has one q tile (``BLOCK_M`` = the group, padded to
+at least 16 rows for ``tl.dot``), chunked prefill (:mod:`flashpage.ops.paged_prefill`) has many.
+
+A program walks the KV tiles of its split of the visible key range (``BLOCK_N`` tokens per tile,
+absolute positions aligned to ``BLOCK_N``), fetching each tile's block ids from the block table: a
+tile may span several pages (``block_size < BLOCK_N``) or be a slice of one (``block_size >= BLOCK_N``,
+one scalar block id). Tiles that need no mask (all keys visible to every row) run a mask-free loop;
+only the boundary tiles (the causal diagonal, the window's left edge, the sequence end) are masked.
+Online softmax is done in base 2 (``exp2``) with the scale folded into the scores; softcap, ALiBi and
+the fp8 e4m3 per-head scales are fused. With ``num_splits > 1`` every split writes its normalised
+partial output and log2-sum-exp to a float32 workspace and :func:`_combine_kernel` merges them.
+
+Layout: cache ``(num_blocks, block_size, nheads_k, d)`` with ``block_table (batch, max_blocks)`` int32
+(``PAGE_SIZE = block_size``), or a contiguous cache ``(batch_cache, seqlen_cache, nheads_k, d)`` read
+directly (``PAGE_SIZE = 0``; optional ``cache_batch_idx``). Queries are packed ``(total_q, nheads, d)``
+with either ``cu_seqlens_q`` (varlen) or ``q_per_seq`` queries per sequence (padded decode batch).
+Sequence ``b``'s queries are the last ``q_len`` positions of its ``seqlens_k[b]`` keys (bottom-right).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from flashpage.ops.backend import interpreter_enabled
+from flashpage.ops.cache_write import is_fp8_dtype, validate_scale
+from flashpage.roofline.planner import choose_num_splits  # the roofline planner's split-KV rule
+
+__all__ = [
+    "PagedAttnConfig",
+    "allocate_workspace",
+    "check_paged_cache",
+    "check_paged_values",
+    "choose_num_splits",
+    "default_decode_config",
+    "default_num_sms",
+    "launch_paged_attention",
+    "paged_decode",
+    "resolve_num_splits",
+    "tile_shape",
+]
+
+# "Unbounded" window side: far beyond any context, small enough that pos +- it stays in int32.
+_NO_WINDOW = 1 << 30
+_MAX_SPLITS = 128
+_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class PagedAttnConfig:
+    """Launch parameters of the paged attention kernel (the benchmark sweeps these).
+
+    Attributes:
+        block_m: query rows per program (tokens x GQA group heads), a power of two >= 16; ``0`` picks
+            the smallest that holds ``max_seqlen_q * group`` rows (decode) up to 128.
+        block_n: KV tokens per tile, a power of two >= 16.
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the KV loads.
+    """
+
+    block_m: int = 0
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "num_warps"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val < 1 or val & (val - 1):
+                raise ValueError(f"PagedAttnConfig.{name} must be a positive power of two, got {val!r}")
+        if self.block_n < 16:
+            raise ValueError(f"PagedAttnConfig.block_n must be >= 16 (tl.dot), got {self.block_n}")
+        if self.block_m and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
+            raise ValueError(f"PagedAttnConfig.block_m must be 0 or a power of two >= 16, got {self.block_m}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"PagedAttnConfig.num_stages must be a positive int, got {self.num_stages!r}")
+
+
+def default_decode_config(kv_dtype: torch.dtype, head_dim: int) -> PagedAttnConfig:
+    """Decode defaults: 64-token tiles, 4 warps (fp8 KV: 128-token tiles, same bytes per tile, 8 warps).
+
+    On sm_90 (triton 3.9, d=128) these compile without spills: bf16 149 registers, fp8 188. The
+    block-table indirection keeps Triton's pipeliner at one KV buffer, so ``num_stages > 2`` buys no
+    extra prefetch on paged caches; bytes in flight come from occupancy (``flashpage bench decode
+    --variants`` sweeps all four).
+    """
+    if is_fp8_dtype(kv_dtype) and head_dim <= 128:
+        return PagedAttnConfig(block_n=128, num_warps=8, num_stages=2)
+    if head_dim > 128:
+        return PagedAttnConfig(block_n=32, num_warps=4, num_stages=2)
+    return PagedAttnConfig(block_n=64, num_warps=4, num_stages=2)
+
+
+def default_num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 off CUDA, i.e. under the Triton interpreter)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 4
+
+
+@triton.jit
+def _load_tile(ptrs, row_ok, d_ok, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load a ``(rows, BLOCK_D)`` tile, masking rows and/or the padded head dim only when needed."""
+    if MASK_ROWS:
+        if EVEN_D:
+            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _attn_kv_loop(
+    acc,
+    l_i,
+    m_i,
+    q,
+    K,
+    V,
+    bt_row,
+    kv_row,
+    start,
+    end,
+    ctx,
+    pos,
+    slopes,
+    qk_scale,
+    softcap_log2,
+    window_left,
+    window_right,
+    offs_n,
+    offs_d,
+    d_ok,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    CONVERT_KV: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax over KV tiles ``[start, end)`` (``start`` a multiple of ``BLOCK_N``).
+
+    ``K``/``V`` already point at this program's KV head. ``MASK`` tiles apply the sequence end, the
+    causal/window bounds per row; mask-free tiles are fully visible to every row by construction.
+    """
+    for start_n in range(start, end, BLOCK_N):
+        j = start_n + offs_n
+        # Token -> cache row. Paged: block id from the table (one scalar when the tile lies in a page).
+        if PAGE_SIZE == 0:
+            k_off = kv_row * stride_kb + j.to(tl.int64) * stride_kt
+            v_off = kv_row * stride_vb + j.to(tl.int64) * stride_vt
+        elif PAGE_SIZE >= BLOCK_N:
+            blk = tl.load(bt_row + start_n // PAGE_SIZE).to(tl.int64)
+            in_page = j % PAGE_SIZE
+            k_off = blk * stride_kb + in_page * stride_kt
+            v_off = blk * stride_vb + in_page * stride_vt
+        else:
+            if MASK:
+                blk = tl.load(bt_row + j // PAGE_SIZE, mask=j < ctx, other=0).to(tl.int64)
+            else:
+                blk = tl.load(bt_row + j // PAGE_SIZE).to(tl.int64)
+            in_page = j % PAGE_SIZE
+            k_off = blk * stride_kb + in_page * stride_kt
+            v_off = blk * stride_vb + in_page * stride_vt
+        n_ok = j < ctx
+        k = _load_tile(K + k_off[:, None] + offs_d[None, :], n_ok, d_ok, MASK, EVEN_D)
+        if CONVERT_KV:
+            k = k.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            # softcap * tanh(x), tanh through exp2 (portable: no libdevice), in base-2 units.
+            x = s * qk_scale
+            t = 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+            s = t * softcap_log2
+        else:
+            s = s * qk_scale
+        if HAS_ALIBI:
+            dist = tl.abs(pos[:, None] - j[None, :]).to(tl.float32)
+            s = s - slopes[:, None] * dist
+        if MASK:
+            vis = (
+                (j[None, :] < ctx)
+                & (j[None, :] >= pos[:, None] - window_left)
+                & (j[None, :] <= pos[:, None] + window_right)
+            )
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(V + v_off[:, None] + offs_d[None, :], n_ok, d_ok, MASK, EVEN_D)
+        if CONVERT_KV:
+            v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_attn_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    MidO,
+    MidLse,
+    BlockTable,
+    SeqlensK,
+    CuSeqlensQ,
+    BatchIdx,
+    Alibi,
+    KScale,
+    VScale,
+    sm_scale,
+    softcap,
+    window_left,
+    window_right,
+    num_splits,
+    q_per_seq,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lh,
+    stride_lt,
+    stride_btb,
+    stride_ab,
+    stride_mot,
+    stride_moh,
+    stride_mos,
+    stride_mlt,
+    stride_mlh,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    VARLEN_Q: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    SPLIT: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid0 = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
+    split = pid0 % num_splits
+    # Heaviest (last, most keys under causal) query tiles first: better tail balance.
+    tile = tl.num_programs(0) // num_splits - 1 - pid0 // num_splits
+    if VARLEN_Q:
+        q_start = tl.load(CuSeqlensQ + b)
+        q_len = tl.load(CuSeqlensQ + b + 1) - q_start
+    else:
+        q_start = b * q_per_seq
+        q_len = q_per_seq
+    QPT: tl.constexpr = BLOCK_M // G  # query tokens per tile
+    q0 = tile * QPT
+    if q0 >= q_len:
+        return
+    ctx = tl.load(SeqlensK + b)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    qi = q0 + offs_m // G
+    head = kvh * G + offs_m % G
+    row_ok = (offs_m < QPT * G) & (qi < q_len)
+    pos = ctx - q_len + qi  # key position of each row's query (bottom-right aligned)
+    tok = (q_start + qi).to(tl.int64)
+
+    q = _load_tile(
+        Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], row_ok, d_ok, True, EVEN_D
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    elif KV_FP8 and Q.dtype.element_ty != tl.float32:
+        # e4m3 -> fp16 is one exact cvt per pair (bf16 needs two); bf16 q in fp16 keeps its 8 bits of
+        # mantissa for |q| in [6e-5, 65504], and p in [0, 1] gains precision.
+        q = q.to(tl.float16)
+
+    kv_scale = 1.0
+    if KV_FP8:
+        kv_scale = tl.load(KScale + kvh)
+    if SOFTCAP:
+        qk_scale = sm_scale * kv_scale / softcap
+        softcap_log2 = softcap * 1.4426950408889634
+    else:
+        qk_scale = sm_scale * kv_scale * 1.4426950408889634
+        softcap_log2 = 0.0
+    slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_ALIBI:
+        slopes = tl.load(Alibi + b * stride_ab + head, mask=row_ok, other=0.0) * 1.4426950408889634
+
+    # Visible key range of the tile's valid rows, split into num_splits chunks of whole tiles.
+    q_last = tl.minimum(q0 + QPT, q_len) - 1
+    p_first = ctx - q_len + q0
+    p_last = ctx - q_len + q_last
+    lo = (tl.maximum(p_first - window_left, 0) // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(p_last + window_right + 1, ctx)
+    n_tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+    per_split = tl.cdiv(n_tiles, num_splits)
+    s_lo = lo + split * per_split * BLOCK_N
+    s_hi = tl.minimum(s_lo + per_split * BLOCK_N, hi)
+    # Tiles in [full_lo, full_hi) are visible to every row: no mask.
+    full_lo = tl.cdiv(tl.maximum(p_last - window_left, 0), BLOCK_N) * BLOCK_N
+    full_hi = (tl.maximum(tl.minimum(p_first + window_right + 1, ctx), 0) // BLOCK_N) * BLOCK_N
+    a_end = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
+    b_end = tl.minimum(tl.maximum(full_hi, a_end), s_hi)
+
+    if PAGE_SIZE == 0:
+        if HAS_BATCH_IDX:
+            kv_row = tl.load(BatchIdx + b).to(tl.int64)
+        else:
+            kv_row = b.to(tl.int64)
+    else:
+        kv_row = b.to(tl.int64)
+    bt_row = BlockTable + b.to(tl.int64) * stride_btb
+    Kh = K + kvh.to(tl.int64) * stride_kh
+    Vh = V + kvh.to(tl.int64) * stride_vh
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _attn_kv_loop(
+        acc, l_i, m_i, q, Kh, Vh, bt_row, kv_row, s_lo, a_end, ctx, pos, slopes, qk_scale, softcap_log2,
+        window_left, window_right, offs_n, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt,
+        BLOCK_N, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _attn_kv_loop(
+        acc, l_i, m_i, q, Kh, Vh, bt_row, kv_row, a_end, b_end, ctx, pos, slopes, qk_scale, softcap_log2,
+        window_left, window_right, offs_n, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt,
+        BLOCK_N, PAGE_SIZE, False, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _attn_kv_loop(
+        acc, l_i, m_i, q, Kh, Vh, bt_row, kv_row, b_end, s_hi, ctx, pos, slopes, qk_scale, softcap_log2,
+        window_left, window_right, offs_n, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt,
+        BLOCK_N, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION,
+    )  # fmt: skip
+
+    nonempty = l_i > 0.0
+    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if KV_FP8:
+        o = o * tl.load(VScale + kvh)
+    lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        mo = (
+            MidO
+            + tok[:, None] * stride_mot
+            + head[:, None] * stride_moh
+            + split * stride_mos
+            + offs_d[None, :]
+        )
+        tl.store(mo, o, mask=out_mask)
+        tl.store(MidLse + tok * stride_mlt + head * stride_mlh + split, lse2, mask=row_ok)
+    else:
+        optr = Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(optr, o.to(Out.dtype.element_ty), mask=out_mask)
+        if WRITE_LSE:
+            tl.store(Lse + head * stride_lh + tok * stride_lt, lse2 * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    MidO,
+    MidLse,
+    Out,
+    Lse,
+    num_splits,
+    stride_mot,
+    stride_moh,
+    stride_mos,
+    stride_mlt,
+    stride_mlh,
+    stride_ot,
+    stride_oh,
+    stride_lh,
+    stride_lt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    """Merge the splits of one (token, head): weights ``2**(lse_s - max)``, empty splits weigh 0."""
+    tok = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    lse = tl.load(MidLse + tok * stride_mlt + h * stride_mlh + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    mo = MidO + tok * stride_mot + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :]
+    o = tl.load(mo, mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(
+        Out + tok * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM
+    )
+    if WRITE_LSE:
+        lse_out = tl.where(
+            denom > 0.0, (m + tl.log2(tl.where(denom > 0.0, denom, 1.0))) * 0.6931471805599453, float("-inf")
+        )
+        tl.store(Lse + h * stride_lh + tok * stride_lt, lse_out)
+
+
+def tile_shape(config: PagedAttnConfig, max_seqlen_q: int, group: int) -> tuple[int, int]:
+    """``(block_m, q_tiles)``: rows per program and query tiles per sequence.
+
+    ``block_m`` is ``config.block_m`` or, for decode, the smallest power of two >= 16 that holds
+    ``max_seqlen_q * group`` rows (up to 128); always at least the group. A tile holds
+    ``block_m // group`` query tokens.
+    """
+    if config.block_m:
+        block_m = max(config.block_m, triton.next_power_of_2(group))
+    else:
+        rows = max(1, max_seqlen_q) * group
+        block_m = max(16, min(triton.next_power_of_2(rows), 128), triton.next_power_of_2(group))
+    return block_m, triton.cdiv(max(max_seqlen_q, 1), block_m // group)
+
+
+def allocate_workspace(
+    total_q: int, nheads: int, num_splits: int, head_dim: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """Split-KV workspace: partial outputs ``(total_q, nheads, splits, d)`` and log2-sum-exps ``(total_q, nheads, splits)``, fp32."""
+    mid_o = torch.empty(total_q, nheads, num_splits, head_dim, dtype=torch.float32, device=device)
+    mid_lse = torch.empty(total_q, nheads, num_splits, dtype=torch.float32, device=device)
+    return mid_o, mid_lse
+
+
+def launch_paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    out: Tensor,
+    seqlens_k: Tensor,
+    *,
+    max_seqlen_q: int,
+    block_table: Tensor | None = None,
+    cu_seqlens_q: Tensor | None = None,
+    cache_batch_idx: Tensor | None = None,
+    lse: Tensor | None = None,
+    softmax_scale: float,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    num_splits: int = 1,
+    config: PagedAttnConfig | None = None,
+    workspace: tuple[Tensor, Tensor] | None = None,
+) -> None:
+    """Launch the paged attention kernel (and the combine when ``num_splits > 1``). No checks, no syncs.
+
+    The caller (a validating entry point, or a :class:`~flashpage.ops.paged_plan.DecodePlan`) has
+    checked every argument; this function only reads host metadata (shapes, strides), so it can be
+    captured in a CUDA graph.
+
+    Args:
+        q: ``(total_q, nheads, d)`` packed queries; with ``cu_seqlens_q=None`` sequence ``b`` owns rows
+            ``b * max_seqlen_q .. (b+1) * max_seqlen_q - 1`` (a padded decode batch).
+        k_cache, v_cache: paged ``(num_blocks, block_size, nheads_k, d)`` with ``block_table``, or
+            contiguous ``(batch_cache, seqlen_cache, nheads_k, d)`` without (then ``cache_batch_idx``
+            maps batch entries to cache rows).
+        out: ``(total_q, nheads, d)``, written.
+        seqlens_k: ``(batch,)`` int32 keys per sequence (including the queries' own tokens).
+        lse: optional ``(nheads, total_q)``-indexed float32 output (any strides), natural log.
+        alibi_slopes: ``(nheads,)`` or ``(batch, nheads)`` float32.
+        k_scale, v_scale: ``(nheads_k,)`` float32 fp8 dequantisation scales (fp8 caches).
+        workspace: ``allocate_workspace(total_q, nheads, num_splits, d)`` buffers, else allocated here.
+    """
+    config = config or default_decode_config(k_cache.dtype, q.shape[-1])
+    total_q, nheads, head_dim = q.shape
+    batch = seqlens_k.shape[0]
+    nheads_k = k_cache.shape[2]
+    group = nheads // nheads_k
+    block_m, q_tiles = tile_shape(config, max_seqlen_q, group)
+    paged = block_table is not None
+    fp8 = is_fp8_dtype(k_cache.dtype)
+    left = window_size[0] if window_size[0] >= 0 else _NO_WINDOW
+    right = 0 if causal else (window_size[1] if window_size[1] >= 0 else _NO_WINDOW)
+    split = num_splits > 1
+    write_lse = lse is not None
+    # The interpreter keeps bf16 as raw uint16 (arithmetic on it is garbage): compute in fp32 there.
+    upcast = q.dtype == torch.bfloat16 and interpreter_enabled()
+    if fp8 and k_scale is None:
+        k_scale = torch.ones(nheads_k, dtype=torch.float32, device=q.device)
+    if fp8 and v_scale is None:
+        v_scale = torch.ones(nheads_k, dtype=torch.float32, device=q.device)
+    if split:
+        mid_o, mid_lse = (
+            workspace
+            if workspace is not None
+            else allocate_workspace(total_q, nheads, num_splits, head_dim, q.device)
+        )
+    else:
+        mid_o, mid_lse = out, out  # unused
+    lse_arg = lse if write_lse else out
+    lse_strides = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
+    dummy = seqlens_k  # pointer for absent optional tensors (never dereferenced)
+    grid = (q_tiles * num_splits, nheads_k, batch)
+    _paged_attn_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        lse_arg,
+        mid_o,
+        mid_lse,
+        block_table if paged else dummy,
+        seqlens_k,
+        cu_seqlens_q if cu_seqlens_q is not None else dummy,
+        cache_batch_idx if cache_batch_idx is not None else dummy,
+        alibi_slopes if alibi_slopes is not None else q,
+        k_scale if k_scale is not None else q,
+        v_scale if v_scale is not None else q,
+        float(softmax_scale),
+        float(softcap) if softcap > 0 else 1.0,
+        left,
+        right,
+        num_splits,
+        max_seqlen_q,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        *lse_strides,
+        block_table.stride(0) if paged else 0,
+        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+        mid_o.stride(0) if split else 0,
+        mid_o.stride(1) if split else 0,
+        mid_o.stride(2) if split else 0,
+        mid_lse.stride(0) if split else 0,
+        mid_lse.stride(1) if split else 0,
+        G=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m,
+        BLOCK_N=config.block_n,
+        PAGE_SIZE=k_cache.shape[1] if paged else 0,
+        VARLEN_Q=cu_seqlens_q is not None,
+        HAS_BATCH_IDX=cache_batch_idx is not None,
+        SOFTCAP=softcap > 0,
+        HAS_ALIBI=alibi_slopes is not None,
+        KV_FP8=fp8,
+        SPLIT=split,
+        WRITE_LSE=write_lse,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
+        UPCAST=upcast,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if split:
+        _combine_kernel[(total_q, nheads)](
+            mid_o,
+            mid_lse,
+            out,
+            lse_arg,
+            num_splits,
+            mid_o.stride(0),
+            mid_o.stride(1),
+            mid_o.stride(2),
+            mid_lse.stride(0),
+            mid_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            *lse_strides,
+            HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            WRITE_LSE=write_lse,
+            num_warps=4,
+        )
+
+
+def _is_pow2_block_size(block_size: int) -> bool:
+    return 8 <= block_size <= 256 and block_size & (block_size - 1) == 0
+
+
+def check_paged_cache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor | None,
+    seqlens: Tensor,
+    *,
+    batch: int,
+    seqlens_name: str = "cache_seqlens",
+    alibi_slopes: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> None:
+    """Shape/dtype/device checks shared by the paged entry points (host metadata only, no sync).
+
+    Args:
+        q: ``(..., nheads, d)`` queries (last dim contiguous).
+        k_cache, v_cache: ``(num_blocks, block_size, nheads_k, d)`` (paged, ``block_table`` given) or
+            ``(batch_cache, seqlen_cache, nheads_k, d)`` (contiguous, ``block_table=None``).
+        block_table: ``(batch, max_blocks_per_seq)`` int32 or ``None``.
+        seqlens: ``(batch,)`` int32 keys per sequence.
+    Raises:
+        TypeError / ValueError naming the offending argument.
+    """
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), (seqlens_name, seqlens)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, expected {q.device} (q's device)")
+    if q.dtype not in _COMPUTE_DTYPES:
+        raise TypeError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous in its last dimension")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (num_blocks, block_size, nheads_k, d), got shape {tuple(c.shape)}"
+            )
+        if c.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+        if c.dtype != q.dtype and not is_fp8_dtype(c.dtype):
+            raise TypeError(f"{name} dtype {c.dtype} must be q's dtype {q.dtype} or torch.float8_e4m3fn")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} {v_cache.dtype} "
+            "must have the same shape and dtype"
+        )
+    nheads, d = q.shape[-2], q.shape[-1]
+    nheads_k = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"k_cache head dim {k_cache.shape[3]} != q head dim {d}")
+    if not 8 <= d <= 256:
+        raise ValueError(f"head dim d={d} must be in [8, 256]")
+    if nheads_k < 1 or nheads % nheads_k:
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of the cache's nheads_k ({nheads_k})")
+    if block_table is not None:
+        if not isinstance(block_table, Tensor):
+            raise TypeError(f"block_table must be an int32 tensor, got {type(block_table).__name__}")
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(
+                f"block_table must be (batch={batch}, max_blocks_per_seq), got {tuple(block_table.shape)}"
+            )
+        if block_table.device != q.device:
+            raise ValueError(f"block_table is on {block_table.device}, expected {q.device}")
+        if block_table.stride(1) != 1 and block_table.shape[1] > 1:
+            raise ValueError("block_table must be contiguous in its last dimension")
+        if not _is_pow2_block_size(k_cache.shape[1]):
+            raise ValueError(
+                f"block_size (k_cache.shape[1]) must be a power of two from 8 to 256, got {k_cache.shape[1]}"
+            )
+    if seqlens.dtype != torch.int32:
+        raise TypeError(f"{seqlens_name} must be int32, got {seqlens.dtype}")
+    if tuple(seqlens.shape) != (batch,):
+        raise ValueError(f"{seqlens_name} must have shape ({batch},), got {tuple(seqlens.shape)}")
+    if batch > 1 and seqlens.stride(0) != 1:
+        raise ValueError(f"{seqlens_name} must be contiguous")
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, Tensor) or alibi_slopes.dtype != torch.float32:
+            raise TypeError("alibi_slopes must be a float32 tensor")
+        if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)) or alibi_slopes.stride(-1) != 1:
+            raise ValueError(
+                f"alibi_slopes must be ({nheads},) or ({batch}, {nheads}), got {tuple(alibi_slopes.shape)}"
+            )
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, expected {q.device}")
+    if (k_scale is not None or v_scale is not None) and not is_fp8_dtype(k_cache.dtype):
+        raise ValueError("k_scale/v_scale apply to fp8 caches only")
+    validate_scale("k_scale", k_scale, nheads_k, q.device)
+    validate_scale("v_scale", v_scale, nheads_k, q.device)
+
+
+def check_paged_values(
+    block_table: Tensor | None,
+    seqlens: Tensor,
+    num_blocks: int,
+    block_size: int,
+    *,
+    seqlens_name: str = "cache_seqlens",
+    min_seqlens: Tensor | None = None,
+) -> None:
+    """Value checks that need a device sync (the validating entry points only, never ``run``).
+
+    Checks ``0 <= seqlens``, ``seqlens <= max_blocks_per_seq * block_size`` (paged) or
+    ``<= seqlen_cache`` (contiguous, pass ``block_table=None`` and ``block_size=seqlen_cache``),
+    ``seqlens >= min_seqlens`` (each sequence's own query count), and that the block-table entries
+    covering each sequence's tokens are valid block ids ``[0, num_blocks)``.
+    """
+    if seqlens.numel() == 0:
+        return
+    lens = seqlens.long()
+    lo, hi = int(lens.min()), int(lens.max())
+    if lo < 0:
+        raise ValueError(f"{seqlens_name} must be non-negative, got min {lo}")
+    cap = block_table.shape[1] * block_size if block_table is not None else block_size
+    if hi > cap:
+        what = (
+            f"the block table covers ({block_table.shape[1]} blocks x {block_size})"
+            if block_table is not None
+            else "the cache holds (seqlen_cache)"
+        )
+        raise ValueError(f"{seqlens_name} max {hi} is longer than {what} = {cap} tokens")
+    if min_seqlens is not None and bool((lens < min_seqlens.long()).any()):
+        raise ValueError(f"{seqlens_name} must be at least each sequence's number of new queries")
+    if block_table is not None and block_table.shape[1]:
+        used = torch.arange(block_table.shape[1], device=lens.device).view(1, -1) < (
+            (lens + block_size - 1) // block_size
+        ).view(-1, 1)
+        bad = used & ((block_table < 0) | (block_table >= num_blocks))
+        if bool(bad.any()):
+            b, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(
+                f"block_table[{b}, {j}] = {int(block_table[b, j])} points outside the cache (num_blocks={num_blocks})"
+            )
+
+
+def resolve_num_splits(
+    num_splits: int, work_items: int, nheads_k: int, seqlen_k: int, block_n: int, device: torch.device
+) -> int:
+    """``num_splits`` if positive, else the planner's choice; never more than the tiles of ``seqlen_k``.
+
+    Args:
+        work_items: independent (sequence, query tile) problems per KV head.
+        seqlen_k: host-side bound on the keys per sequence (no device sync).
+    """
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= _MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [0, {_MAX_SPLITS}] (0 = planner), got {num_splits!r}")
+    if num_splits == 0:
+        # Smallest power of two with >= 2 waves of programs, >= 256 keys per split (roofline planner).
+        num_splits = choose_num_splits(
+            max(work_items, 1), nheads_k, max(seqlen_k, 1), default_num_sms(device)
+        )
+    return max(1, min(num_splits, triton.cdiv(max(seqlen_k, 1), block_n)))
+
+
+def paged_decode(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    cache_seqlens: Tensor,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    num_splits: int = 0,
+    config: PagedAttnConfig | None = None,
+    max_seqlen_k: int | None = None,
+    return_lse: bool = False,
+    validate: bool = True,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Split-KV decode attention over a paged KV cache.
+
+    Args:
+        q: ``(batch, nheads, d)`` (one new token per sequence) or ``(batch, seqlen_q, nheads, d)``
+            (the last ``seqlen_q`` positions of each sequence, e.g. speculative tokens).
+        k_cache, v_cache: ``(num_blocks, block_size, nheads_k, d)``, q's dtype or fp8 e4m3.
+        block_table: ``(batch, max_blocks_per_seq)`` int32.
+        cache_seqlens: ``(batch,)`` int32 keys per sequence (already including the new tokens).
+        causal: bottom-right causal mask (only matters for ``seqlen_q > 1``).
+        k_scale, v_scale: ``(nheads_k,)`` float32 fp8 scales (default 1). fp8 error: each cached
+            value is off by at most 2**-4 of itself (e4m3 rounding, see ``cache_write``), so the output
+            is within about ``2**-4 * max|v|`` of the unquantised result (v's rounding averages; k's
+            shifts the softmax weights by ``exp(+-2**-4 * scale * |q||k|)`` at worst).
+        num_splits: split-KV count, ``0`` = the roofline planner's choice.
+        max_seqlen_k: host bound on ``cache_seqlens`` for the planner (default: the table's capacity).
+        validate: host-side value checks of the block table and lengths (one device sync).
+    Returns:
+        ``out`` shaped like ``q``; with ``return_lse`` also ``lse`` float32, natural log,
+        ``(batch, nheads)`` or ``(batch, nheads, seqlen_q)``.
+    """
+    if not isinstance(q, Tensor) or q.dim() not in (3, 4):
+        raise ValueError(
+            f"q must be (batch, nheads, d) or (batch, seqlen_q, nheads, d), got {getattr(q, 'shape', q)}"
+        )
+    q4 = q.unsqueeze(1) if q.dim() == 3 else q
+    batch, seqlen_q, nheads, d = q4.shape
+    check_paged_cache(
+        q4, k_cache, v_cache, block_table, cache_seqlens, batch=batch,
+        alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    if block_table is None:
+        raise ValueError("block_table is required (paged cache)")
+    if validate:
+        check_paged_values(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
+    config = config or default_decode_config(k_cache.dtype, d)
+    nheads_k = k_cache.shape[2]
+    _, tiles = tile_shape(config, seqlen_q, nheads // nheads_k)
+    seqlen_bound = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * k_cache.shape[1]
+    splits = resolve_num_splits(num_splits, batch * tiles, nheads_k, seqlen_bound, config.block_n, q.device)
+    qp = q4.reshape(batch * seqlen_q, nheads, d)
+    out = torch.empty_like(qp)
+    lse = torch.empty(batch, seqlen_q, nheads, dtype=torch.float32, device=q.device) if return_lse else None
+    launch_paged_attention(
+        qp, k_cache, v_cache, out, cache_seqlens, max_seqlen_q=seqlen_q, block_table=block_table,
+        lse=lse.view(batch * seqlen_q, nheads).t() if lse is not None else None,
+        softmax_scale=softmax_scale if softmax_scale is not None else d**-0.5, causal=causal,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, k_scale=k_scale,
+        v_scale=v_scale, num_splits=splits, config=config,
+    )  # fmt: skip
+    out = out.view(q.shape)
+    if not return_lse:
+        return out
+    assert lse is not None
+    lse_bhq = lse.permute(0, 2, 1)
+    return out, (lse_bhq[..., 0] if q.dim() == 3 else lse_bhq)

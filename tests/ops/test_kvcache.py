@@ -1,0 +1,196 @@
+"""flash_attn_with_kvcache (flash-attn 2.x contract) vs the reference (Triton interpreter on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from flashpage.ops.kvcache import flash_attn_with_kvcache
+from flashpage.ops.reference import attention_ref, paged_attention_ref
+from tests.ops.test_paged_decode import make_paged_cache, on_device  # noqa: F401 (autouse fixture)
+from tests.tolerance import assert_close_to_ref
+
+
+def _rotary_tables(seqlen_ro: int, rotary_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    half = rotary_dim // 2
+    theta = torch.arange(seqlen_ro).float()[:, None] * 10000.0 ** (-torch.arange(half).float() / half)
+    return theta, torch.cos(theta), torch.sin(theta)
+
+
+def _rotary_ref(x: Tensor, theta: Tensor, pos: Tensor, interleaved: bool) -> Tensor:
+    """Rotation as complex multiplication (independent of the implementation's cos/sin formulas)."""
+    half = theta.shape[1]
+    xr = x[..., : 2 * half].float()
+    if interleaved:
+        z = torch.view_as_complex(xr.reshape(*xr.shape[:-1], half, 2).contiguous())
+    else:
+        z = torch.complex(xr[..., :half], xr[..., half:])
+    z = z * torch.polar(torch.ones_like(theta[pos]), theta[pos]).unsqueeze(2)
+    rot = torch.view_as_real(z).flatten(-2) if interleaved else torch.cat((z.real, z.imag), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., 2 * half :]), dim=-1)
+
+
+def _contig_ref(
+    q: Tensor, kc: Tensor, vc: Tensor, rows: list[int], lens: list[int], upcast: bool = True, **kw: object
+) -> Tensor:
+    out = []
+    for b, (r, n) in enumerate(zip(rows, lens)):
+        o = attention_ref(q[b : b + 1], kc[r : r + 1, :n], vc[r : r + 1, :n], upcast=upcast, **kw)[0]  # type: ignore[arg-type]
+        out.append(o)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize(("seqlen_q", "interleaved"), [(1, True), (3, False)])
+def test_contiguous_append_rotary(seqlen_q: int, interleaved: bool) -> None:
+    batch, s_cache, nheads, nheads_k, d, sn = 3, 40, 8, 2, 32, 3
+    kc = torch.randn(batch, s_cache, nheads_k, d)
+    vc = torch.randn_like(kc)
+    k, v = torch.randn(2, batch, sn, nheads_k, d).unbind(0)
+    q = torch.randn(batch, seqlen_q, nheads, d)
+    seqlens = torch.tensor([0, 17, 37], dtype=torch.int32)  # 37 + 3 fills the cache exactly
+    theta, cos, sin = _rotary_tables(64, 16)  # partial rotary: 16 of 32 features
+    exp_k, exp_v = kc.clone(), vc.clone()
+    pos_k = seqlens.long()[:, None] + torch.arange(sn)
+    k_rot = _rotary_ref(k, theta, pos_k, interleaved)
+    for b in range(batch):
+        s = int(seqlens[b])
+        exp_k[b, s : s + sn], exp_v[b, s : s + sn] = k_rot[b], v[b]
+    out, lse = flash_attn_with_kvcache(
+        q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens, causal=True,
+        rotary_interleaved=interleaved, return_softmax_lse=True,
+    )  # fmt: skip
+    torch.testing.assert_close(kc, exp_k, atol=1e-6, rtol=1e-6)
+    assert torch.equal(vc, exp_v)
+    q_rot = _rotary_ref(q, theta, seqlens.long()[:, None] + torch.arange(seqlen_q), interleaved)
+    lens = (seqlens + sn).tolist()
+    ref = _contig_ref(q_rot, exp_k, exp_v, list(range(batch)), lens, causal=True)
+    same = _contig_ref(q_rot, exp_k, exp_v, list(range(batch)), lens, upcast=False, causal=True)
+    assert_close_to_ref(out, ref, same)
+    ref_lse = torch.cat(
+        [
+            attention_ref(q_rot[b : b + 1], exp_k[b : b + 1, :n], exp_v[b : b + 1, :n], causal=True)[1]
+            for b, n in enumerate(lens)
+        ]
+    )
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    assert lse.shape == (batch, nheads, seqlen_q) and lse.is_contiguous()
+
+
+@pytest.mark.parametrize("num_splits", [0, 4])
+def test_paged_append_rotary_splits(num_splits: int) -> None:
+    nheads, nheads_k, d, bs, sn = 8, 2, 32, 16, 2
+    old = [14, 31, 64]
+    kc, vc, bt, _ = make_paged_cache([n + sn for n in old], bs, nheads_k, d)
+    seqlens = torch.tensor(old, dtype=torch.int32)
+    k, v = torch.randn(2, 3, sn, nheads_k, d).unbind(0)
+    q = torch.randn(3, 1, nheads, d)
+    theta, cos, sin = _rotary_tables(80, 32)
+    exp_k, exp_v = kc.clone(), vc.clone()
+    k_rot = _rotary_ref(k, theta, seqlens.long()[:, None] + torch.arange(sn), False)
+    for b, s in enumerate(old):
+        for i in range(sn):
+            p = s + i
+            exp_k[bt[b, p // bs], p % bs], exp_v[bt[b, p // bs], p % bs] = k_rot[b, i], v[b, i]
+    out = flash_attn_with_kvcache(
+        q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens, block_table=bt,
+        causal=True, rotary_interleaved=False, num_splits=num_splits,
+    )  # fmt: skip
+    torch.testing.assert_close(kc, exp_k, atol=1e-6, rtol=1e-6)
+    assert torch.equal(vc, exp_v)
+    q_rot = _rotary_ref(q, theta, seqlens.long()[:, None], False)
+    total = seqlens + sn
+    ref, _ = paged_attention_ref(q_rot, exp_k, exp_v, bt, total, causal=True)
+    same, _ = paged_attention_ref(q_rot, exp_k, exp_v, bt, total, causal=True, upcast=False)
+    assert_close_to_ref(out, ref, same)
+
+
+def test_cache_batch_idx_noncausal_window() -> None:
+    """cache_batch_idx picks cache rows; non-causal with a window; int cache_seqlens."""
+    nheads, nheads_k, d = 4, 4, 32
+    kc = torch.randn(5, 48, nheads_k, d)
+    vc = torch.randn_like(kc)
+    k, v = torch.randn(2, 2, 1, nheads_k, d).unbind(0)
+    q = torch.randn(2, 2, nheads, d)
+    idx = torch.tensor([3, 1], dtype=torch.int32)
+    exp_k, exp_v = kc.clone(), vc.clone()
+    exp_k[idx.long(), 20], exp_v[idx.long(), 20] = k[:, 0], v[:, 0]
+    out = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=20, cache_batch_idx=idx, window_size=(8, 2))
+    assert torch.equal(kc, exp_k) and torch.equal(vc, exp_v)
+    ref = _contig_ref(q, exp_k, exp_v, [3, 1], [21, 21], window_size=(8, 2))
+    same = _contig_ref(q, exp_k, exp_v, [3, 1], [21, 21], upcast=False, window_size=(8, 2))
+    assert_close_to_ref(out, ref, same)
+
+
+def test_read_only_full_cache_alibi_softcap_and_prefill_tiles() -> None:
+    """No new k/v, cache_seqlens=None (whole cache), ALiBi + softcap; seqlen_q * group > 64 takes the
+    prefill tiles."""
+    nheads, nheads_k, d = 8, 2, 32
+    kc, vc, bt, _ = make_paged_cache([32, 32], 16, nheads_k, d, extra_cols=0)
+    full = torch.full((2,), bt.shape[1] * 16, dtype=torch.int32)
+    alibi = torch.rand(2, nheads)
+    for seqlen_q in (1, 20):
+        q = torch.randn(2, seqlen_q, nheads, d)
+        out = flash_attn_with_kvcache(q, kc, vc, block_table=bt, causal=True, alibi_slopes=alibi, softcap=5.0)
+        kw = {"causal": True, "alibi_slopes": alibi, "softcap": 5.0}
+        ref, _ = paged_attention_ref(q, kc, vc, bt, full, **kw)  # type: ignore[arg-type]
+        same, _ = paged_attention_ref(q, kc, vc, bt, full, upcast=False, **kw)  # type: ignore[arg-type]
+        assert_close_to_ref(out, ref, same)
+
+
+def test_kvcache_errors() -> None:
+    kc, vc, bt, sl = make_paged_cache([20, 9], 16, 2, 32)
+    q = torch.randn(2, 1, 8, 32)
+    k = torch.randn(2, 1, 2, 32)
+    with pytest.raises(ValueError, match="cache_batch_idx"):
+        flash_attn_with_kvcache(
+            q, kc, vc, block_table=bt, cache_seqlens=sl, cache_batch_idx=torch.zeros(2, dtype=torch.int32)
+        )
+    with pytest.raises(ValueError, match="rotary"):
+        flash_attn_with_kvcache(
+            q,
+            kc,
+            vc,
+            block_table=bt,
+            cache_seqlens=sl,
+            rotary_cos=torch.ones(8, 8),
+            rotary_sin=torch.ones(8, 8),
+        )
+    with pytest.raises(ValueError, match="cache_seqlens"):  # appending past the table's capacity
+        flash_attn_with_kvcache(
+            q,
+            kc,
+            vc,
+            k,
+            k.clone(),
+            block_table=bt,
+            cache_seqlens=torch.tensor([20, bt.shape[1] * 16], dtype=torch.int32),
+        )
+    with pytest.raises(ValueError, match="k and v"):
+        flash_attn_with_kvcache(q, kc, vc, k, None, block_table=bt, cache_seqlens=sl)
+    with pytest.raises(TypeError, match="block_table"):
+        flash_attn_with_kvcache(q, kc, vc, block_table=bt.long(), cache_seqlens=sl)
+    contig = torch.randn(2, 24, 2, 32)
+    with pytest.raises(ValueError, match="cache_batch_idx"):
+        flash_attn_with_kvcache(
+            q,
+            contig,
+            contig.clone(),
+            cache_seqlens=sl,
+            cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32),
+        )
+
+
+def test_noncausal_rotary_rotates_all_queries_at_cache_seqlens() -> None:
+    """flash-attn: not causal and not local -> every query is rotated at position cache_seqlens."""
+    kc = torch.randn(2, 16, 1, 32)
+    vc = torch.randn_like(kc)
+    k, v = torch.randn(2, 2, 1, 1, 32).unbind(0)
+    q = torch.randn(2, 2, 4, 32)
+    seqlens = torch.tensor([3, 9], dtype=torch.int32)
+    theta, cos, sin = _rotary_tables(16, 32)
+    out = flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens)
+    q_rot = _rotary_ref(q, theta, seqlens.long()[:, None].expand(2, 2), True)
+    ref = _contig_ref(q_rot, kc, vc, [0, 1], [4, 10])
+    same = _contig_ref(q_rot, kc, vc, [0, 1], [4, 10], upcast=False)
+    assert_close_to_ref(out, ref, same)

@@ -1,0 +1,263 @@
+"""Paged split-KV decode vs the contiguous reference (Triton interpreter on CPU, tiny shapes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import Tensor
+
+from flashpage.ops.cache_write import fp8_kv_scales, reshape_and_cache
+from flashpage.ops.paged_decode import PagedAttnConfig, choose_num_splits, default_num_sms, paged_decode
+from flashpage.ops.paged_plan import plan_decode, run_decode
+from flashpage.ops.reference import paged_attention_ref
+from tests.tolerance import assert_close_to_ref
+
+
+@pytest.fixture(autouse=True)
+def on_device(device: str) -> Iterator[None]:
+    """Create every test tensor on the test device (CUDA when present, else CPU + interpreter).
+
+    Imported by the other paged-attention test modules, so the same tests run on a GPU machine.
+    """
+    with torch.device(device):
+        yield
+
+
+def make_paged_cache(
+    lens: list[int],
+    block_size: int,
+    nheads_k: int,
+    d: int,
+    dtype: torch.dtype = torch.float32,
+    spare_blocks: int = 3,
+    extra_cols: int = 1,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Random K/V caches whose sequences own a random permutation of the blocks.
+
+    Returns ``k_cache, v_cache (num_blocks, block_size, nheads_k, d)``, ``block_table (batch, width)``
+    int32 (rows padded with valid spare ids) and ``seqlens (batch,)`` int32.
+    """
+    need = [(n + block_size - 1) // block_size for n in lens]
+    width = max(need) + extra_cols
+    num_blocks = sum(need) + spare_blocks
+    perm = torch.randperm(num_blocks)
+    rows, at = [], 0
+    for n in need:
+        own = perm[at : at + n].tolist()
+        at += n
+        rows.append(own + perm[-1:].tolist() * (width - n))
+    k_cache = torch.randn(num_blocks, block_size, nheads_k, d).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, nheads_k, d).to(dtype)
+    return k_cache, v_cache, torch.tensor(rows, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+
+
+def _refs(
+    q: Tensor, kc: Tensor, vc: Tensor, bt: Tensor, sl: Tensor, **kw: object
+) -> tuple[Tensor, Tensor, Tensor]:
+    """fp32 reference (out, lse) and same-precision out for ``q (batch, sq, nheads, d)``."""
+    ref, lse = paged_attention_ref(q, kc, vc, bt, sl, **kw)
+    same, _ = paged_attention_ref(q, kc, vc, bt, sl, upcast=False, **kw)
+    return ref, lse, same
+
+
+@pytest.mark.parametrize(
+    ("block_size", "nheads", "nheads_k", "lens", "num_splits"),
+    [
+        (16, 8, 2, [1, 37, 64], 1),  # GQA 4, ragged incl. 1 and an exact block multiple
+        (16, 8, 2, [1, 37, 64], 3),  # uneven split count
+        (8, 8, 1, [8, 29, 70], 8),  # MQA (group 8), tiny pages: tiles span many blocks
+        (32, 4, 4, [96, 5], 2),  # MHA
+        (256, 8, 2, [300, 1, 256], 0),  # big pages: several tiles per block; planner's split count
+    ],
+)
+def test_decode_matches_reference(
+    block_size: int, nheads: int, nheads_k: int, lens: list[int], num_splits: int
+) -> None:
+    d = 32
+    kc, vc, bt, sl = make_paged_cache(lens, block_size, nheads_k, d)
+    q = torch.randn(len(lens), nheads, d)
+    out, lse = paged_decode(q, kc, vc, bt, sl, num_splits=num_splits, return_lse=True)
+    ref, ref_lse, same = _refs(q.unsqueeze(1), kc, vc, bt, sl, causal=True)
+    assert out.shape == q.shape and lse.shape == (len(lens), nheads)
+    assert_close_to_ref(out, ref[:, 0], same[:, 0])
+    torch.testing.assert_close(lse, ref_lse[..., 0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"window_size": (20, 0)},
+        {"softcap": 3.0},
+        {"alibi": "1d", "num_splits": 2},
+        {"alibi": "2d", "softcap": 2.0, "window_size": (40, -1), "num_splits": 4},
+    ],
+)
+def test_decode_options(opts: dict[str, object]) -> None:
+    lens, nheads, nheads_k, d = [3, 77, 48], 8, 2, 32
+    kc, vc, bt, sl = make_paged_cache(lens, 16, nheads_k, d)
+    q = torch.randn(len(lens), nheads, d)
+    kw: dict[str, object] = {k: v for k, v in opts.items() if k in ("window_size", "softcap")}
+    if opts.get("alibi") == "1d":
+        kw["alibi_slopes"] = torch.rand(nheads)
+    elif opts.get("alibi") == "2d":
+        kw["alibi_slopes"] = torch.rand(len(lens), nheads)
+    out, lse = paged_decode(
+        q, kc, vc, bt, sl, num_splits=int(opts.get("num_splits", 1)), return_lse=True, **kw
+    )  # type: ignore[arg-type]
+    ref, ref_lse, same = _refs(q.unsqueeze(1), kc, vc, bt, sl, causal=True, **kw)
+    assert_close_to_ref(out, ref[:, 0], same[:, 0])
+    torch.testing.assert_close(lse, ref_lse[..., 0], atol=1e-5, rtol=1e-5)
+
+
+def test_multi_query_decode_and_empty_rows() -> None:
+    """seqlen_q > 1 (speculative tokens), bottom-right causal; a 2-key sequence with 3 queries has a
+    query that sees nothing: zeros and lse = -inf."""
+    lens, nheads, nheads_k, d = [2, 50, 33], 8, 2, 32
+    kc, vc, bt, sl = make_paged_cache(lens, 16, nheads_k, d)
+    q = torch.randn(len(lens), 3, nheads, d)
+    for splits in (1, 3):
+        out, lse = paged_decode(q, kc, vc, bt, sl, num_splits=splits, return_lse=True)
+        ref, ref_lse, same = _refs(q, kc, vc, bt, sl, causal=True)
+        assert_close_to_ref(out, ref, same)
+        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and bool(torch.isinf(lse[0, :, 0]).all())
+        fin = torch.isfinite(ref_lse)
+        torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
+        assert bool((out[0, 0] == 0).all())
+
+
+def test_bf16_and_odd_head_dim() -> None:
+    """bf16 caches (the interpreter computes them in fp32) and d=40 (padded to 64 in the kernel)."""
+    lens = [19, 64]
+    for dtype, d in ((torch.bfloat16, 64), (torch.float32, 40)):
+        kc, vc, bt, sl = make_paged_cache(lens, 16, 2, d, dtype=dtype)
+        q = torch.randn(2, 8, d).to(dtype)
+        out = paged_decode(q, kc, vc, bt, sl, num_splits=2)
+        ref, _, same = _refs(q.unsqueeze(1), kc, vc, bt, sl, causal=True)
+        assert out.dtype == dtype
+        assert_close_to_ref(out, ref[:, 0], same[:, 0])
+
+
+def test_kernel_configs_agree() -> None:
+    """Every tile configuration the benchmark sweeps computes the same thing."""
+    lens = [100, 17]
+    kc, vc, bt, sl = make_paged_cache(lens, 16, 2, 32)
+    q = torch.randn(2, 8, 32)
+    ref, _, same = _refs(q.unsqueeze(1), kc, vc, bt, sl, causal=True)
+    for cfg in (
+        PagedAttnConfig(block_n=16),
+        PagedAttnConfig(block_n=128, num_warps=8),
+        PagedAttnConfig(block_m=32, block_n=32),
+    ):
+        assert_close_to_ref(paged_decode(q, kc, vc, bt, sl, num_splits=2, config=cfg), ref[:, 0], same[:, 0])
+
+
+def test_fp8_kv_within_documented_error() -> None:
+    """fp8 e4m3 cache with per-head scales: exact w.r.t. the dequantised cache; vs the unquantised
+    cache the error stays within the documented e4m3 bound."""
+    lens, nheads, nheads_k, d, bs = [40, 9], 8, 2, 32, 16
+    kc, vc, bt, sl = make_paged_cache(lens, bs, nheads_k, d)
+    kc[:, :, 1] *= 4.0  # heads with different ranges: per-head scales matter
+    ks, vs = fp8_kv_scales(kc), fp8_kv_scales(vc)
+    kc8 = torch.zeros(kc.shape, dtype=torch.float8_e4m3fn)
+    vc8 = torch.zeros_like(kc8)
+    slots = torch.arange(kc.shape[0] * bs)
+    reshape_and_cache(
+        kc.view(-1, nheads_k, d), vc.view(-1, nheads_k, d), kc8, vc8, slots, k_scale=ks, v_scale=vs
+    )
+    q = torch.randn(2, nheads, d)
+    out = paged_decode(q, kc8, vc8, bt, sl, k_scale=ks, v_scale=vs, num_splits=2)
+    kd, vd = kc8.float() * ks.view(1, 1, -1, 1), vc8.float() * vs.view(1, 1, -1, 1)
+    ref_dq, _, same_dq = _refs(q.unsqueeze(1), kd, vd, bt, sl, causal=True)
+    assert_close_to_ref(out, ref_dq[:, 0], same_dq[:, 0])
+    ref, _ = paged_attention_ref(q.unsqueeze(1), kc, vc, bt, sl, causal=True)
+    err = (out - ref[:, 0]).abs().max().item()
+    # Documented bound (paged_decode): about 2**-4 * max|v| (v's rounding; k's moves p a little).
+    assert 0 < err < 2**-4 * vc.abs().max().item(), err
+
+
+def test_plan_run_matches_and_never_syncs(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    lens, nheads, nheads_k, d = [70, 5, 33], 8, 2, 32
+    kc, vc, bt, sl = make_paged_cache(lens, 16, nheads_k, d)
+    q = torch.randn(3, nheads, d)
+    plan = plan_decode(
+        3,
+        nheads,
+        nheads_k,
+        d,
+        block_size=16,
+        max_seqlen_k=70,
+        q_dtype=torch.float32,
+        device=device,
+        num_splits=0,
+    )
+    assert plan.num_splits == min(
+        choose_num_splits(3, nheads_k, 70, default_num_sms(torch.device(device))), 2
+    ) and plan.grid[1:] == (nheads_k, 3)
+    plan3 = plan_decode(
+        3, nheads, nheads_k, d, block_size=16, max_seqlen_k=70, q_dtype=torch.float32, device=device,
+        num_splits=3, config=PagedAttnConfig(block_n=16),
+    )  # fmt: skip
+    clamped = plan_decode(
+        3,
+        nheads,
+        nheads_k,
+        d,
+        block_size=16,
+        max_seqlen_k=70,
+        q_dtype=torch.float32,
+        device=device,
+        num_splits=3,
+    )
+    assert clamped.num_splits == 2  # 70 keys are only two 64-key tiles
+    assert plan3.workspace is not None and plan3.workspace[0].shape == (3, nheads, 3, d)
+
+    def no_sync(*args: object, **kwargs: object) -> None:
+        raise AssertionError("run_decode read a device value on the host")
+
+    ref, _, same = _refs(q.unsqueeze(1), kc, vc, bt, sl, causal=True)
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy"):
+            m.setattr(torch.Tensor, name, no_sync)
+        # The Triton interpreter itself reads tensors through data_ptr, not through these methods.
+        outs = [run_decode(p, q, kc, vc, bt, sl) for p in (plan, plan3, plan3)]
+    for out in outs:
+        assert_close_to_ref(out, ref[:, 0], same[:, 0])
+    with pytest.raises(ValueError, match="plan"):
+        run_decode(plan, torch.randn(4, nheads, d), kc, vc, bt, sl)
+
+
+def test_num_splits_planner_rule() -> None:
+    # H200 (132 SMs), GQA 8 kv heads: batch 1 at 128k needs 64 splits; big batches need none.
+    assert choose_num_splits(1, 8, 131072, 132) == 64
+    assert choose_num_splits(32, 8, 32768, 132) == 2
+    assert choose_num_splits(256, 8, 4096, 132) == 1
+    assert choose_num_splits(1, 8, 1024, 132) == 4  # capped: >= 256 keys per split
+    assert choose_num_splits(1, 1, 10**7, 132, max_splits=128) == 128
+
+
+def test_decode_errors() -> None:
+    lens, d = [20, 40], 32
+    kc, vc, bt, sl = make_paged_cache(lens, 16, 2, d)
+    q = torch.randn(2, 8, d)
+    bad = bt.clone()
+    bad[1, 2] = kc.shape[0]  # third block of the 40-token sequence
+    with pytest.raises(ValueError, match="block_table"):
+        paged_decode(q, kc, vc, bad, sl)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        paged_decode(q, kc, vc, bt, torch.tensor([20, bt.shape[1] * 16 + 1], dtype=torch.int32))
+    with pytest.raises(TypeError, match="block_table"):
+        paged_decode(q, kc, vc, bt.long(), sl)
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        paged_decode(q, kc, vc, bt, sl.long())
+    with pytest.raises(ValueError, match="block_size"):
+        paged_decode(q, kc[:, :12], vc[:, :12], bt, sl)
+    with pytest.raises(ValueError, match="nheads"):
+        paged_decode(torch.randn(2, 7, d), kc, vc, bt, sl)
+    with pytest.raises(TypeError, match="k_cache"):
+        paged_decode(q, kc.double(), vc.double(), bt, sl)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_decode(q, kc, vc, bt, sl, num_splits=-1)
+    with pytest.raises(ValueError, match="k_scale"):
+        paged_decode(q, kc, vc, bt, sl, k_scale=torch.ones(2))

@@ -1,0 +1,141 @@
+"""Paged (chunked) prefill vs the contiguous reference (Triton interpreter on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from flashpage.ops.cache_write import fp8_kv_scales, reshape_and_cache
+from flashpage.ops.paged_decode import PagedAttnConfig
+from flashpage.ops.paged_prefill import paged_prefill
+from flashpage.ops.reference import attention_ref, gather_paged_kv
+from tests.ops.test_paged_decode import make_paged_cache, on_device  # noqa: F401 (autouse fixture)
+from tests.tolerance import assert_close_to_ref
+
+
+def _varlen_paged_ref(
+    q: Tensor,
+    kc: Tensor,
+    vc: Tensor,
+    bt: Tensor,
+    cu: Tensor,
+    seqlens_k: Tensor,
+    upcast: bool = True,
+    **kw: object,
+) -> tuple[Tensor, Tensor]:
+    """Per-sequence reference: sequence b's packed queries over its first seqlens_k[b] cached keys."""
+    out = torch.zeros(q.shape, dtype=torch.float32 if upcast else q.dtype)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))
+    alibi = kw.pop("alibi_slopes", None)
+    for b in range(len(seqlens_k)):
+        s, e, n = int(cu[b]), int(cu[b + 1]), int(seqlens_k[b])
+        kk = gather_paged_kv(kc, bt, n, b).unsqueeze(0)
+        vv = gather_paged_kv(vc, bt, n, b).unsqueeze(0)
+        a = alibi[b] if isinstance(alibi, Tensor) and alibi.dim() == 2 else alibi
+        o, lb = attention_ref(q[s:e].unsqueeze(0), kk, vv, upcast=upcast, alibi_slopes=a, **kw)[:2]  # type: ignore[arg-type]
+        out[s:e], lse[:, s:e] = o[0], lb[0]
+    return out, lse
+
+
+def _setup(
+    q_lens: list[int], prefix: list[int], block_size: int, nheads: int, nheads_k: int, d: int = 32
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    lens = [p + n for p, n in zip(prefix, q_lens)]
+    kc, vc, bt, sl = make_paged_cache(lens, block_size, nheads_k, d)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), nheads, d)
+    return q, kc, vc, bt, sl, cu
+
+
+@pytest.mark.parametrize(
+    ("block_size", "nheads", "nheads_k", "q_lens", "prefix", "num_splits"),
+    [
+        (
+            16,
+            8,
+            2,
+            [5, 1, 40],
+            [0, 17, 48],
+            1,
+        ),  # prefix-free, decode-like, chunk after an exact block multiple
+        (8, 4, 4, [33, 7], [9, 60], 1),  # MHA, tiny pages
+        (32, 8, 1, [20, 3], [70, 0], 2),  # MQA (group 8): 16 rows = 2 queries per tile; split prefix
+        (256, 8, 2, [30, 20], [270, 1], 3),  # big pages
+    ],
+)
+def test_chunked_prefill_matches_reference(
+    block_size: int, nheads: int, nheads_k: int, q_lens: list[int], prefix: list[int], num_splits: int
+) -> None:
+    q, kc, vc, bt, sl, cu = _setup(q_lens, prefix, block_size, nheads, nheads_k)
+    # Small tiles so the tiny shapes still have several query and key tiles per sequence.
+    cfg = PagedAttnConfig(block_m=16, block_n=16)
+    out, lse = paged_prefill(
+        q, kc, vc, cu, sl, bt, max(q_lens), num_splits=num_splits, config=cfg, return_lse=True
+    )
+    ref, ref_lse = _varlen_paged_ref(q, kc, vc, bt, cu, sl, causal=True)
+    same, _ = _varlen_paged_ref(q, kc, vc, bt, cu, sl, upcast=False, causal=True)
+    assert_close_to_ref(out, ref, same)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"window_size": (10, 0)},
+        {"softcap": 4.0, "alibi": "2d"},
+        {"window_size": (25, -1), "alibi": "1d", "num_splits": 2},
+    ],
+)
+def test_prefill_options(opts: dict[str, object]) -> None:
+    q_lens, prefix, nheads, nheads_k = [24, 9], [30, 50], 8, 2
+    q, kc, vc, bt, sl, cu = _setup(q_lens, prefix, 16, nheads, nheads_k)
+    kw: dict[str, object] = {k: v for k, v in opts.items() if k in ("window_size", "softcap")}
+    if opts.get("alibi") == "1d":
+        kw["alibi_slopes"] = torch.rand(nheads)
+    elif opts.get("alibi") == "2d":
+        kw["alibi_slopes"] = torch.rand(len(q_lens), nheads)
+    cfg = PagedAttnConfig(block_m=32, block_n=16)
+    splits = int(opts.get("num_splits", 1))  # type: ignore[call-overload]
+    out = paged_prefill(q, kc, vc, cu, sl, bt, max(q_lens), num_splits=splits, config=cfg, **kw)  # type: ignore[arg-type]
+    ref, _ = _varlen_paged_ref(q, kc, vc, bt, cu, sl, causal=True, **dict(kw))
+    same, _ = _varlen_paged_ref(q, kc, vc, bt, cu, sl, upcast=False, causal=True, **dict(kw))
+    assert_close_to_ref(out, ref, same)
+
+
+def test_default_prefill_tiles_and_fp8() -> None:
+    """The default 128-row tiles, and an fp8 cache (dequantised reference)."""
+    q_lens, prefix = [40, 6], [20, 3]
+    q, kc, vc, bt, sl, cu = _setup(q_lens, prefix, 16, 8, 2)
+    out = paged_prefill(q, kc, vc, cu, sl, bt, max(q_lens))
+    ref, _ = _varlen_paged_ref(q, kc, vc, bt, cu, sl, causal=True)
+    same, _ = _varlen_paged_ref(q, kc, vc, bt, cu, sl, upcast=False, causal=True)
+    assert_close_to_ref(out, ref, same)
+    ks, vs = fp8_kv_scales(kc), fp8_kv_scales(vc)
+    kc8 = torch.zeros(kc.shape, dtype=torch.float8_e4m3fn)
+    vc8 = torch.zeros_like(kc8)
+    slots = torch.arange(kc.shape[0] * kc.shape[1])
+    reshape_and_cache(kc.flatten(0, 1), vc.flatten(0, 1), kc8, vc8, slots, k_scale=ks, v_scale=vs)
+    out8 = paged_prefill(q, kc8, vc8, cu, sl, bt, max(q_lens), k_scale=ks, v_scale=vs)
+    kd, vd = kc8.float() * ks.view(1, 1, -1, 1), vc8.float() * vs.view(1, 1, -1, 1)
+    ref8, _ = _varlen_paged_ref(q, kd, vd, bt, cu, sl, causal=True)
+    same8, _ = _varlen_paged_ref(q, kd, vd, bt, cu, sl, upcast=False, causal=True)
+    assert_close_to_ref(out8, ref8, same8)
+
+
+def test_prefill_errors() -> None:
+    q, kc, vc, bt, sl, cu = _setup([5, 3], [10, 0], 16, 8, 2)
+    with pytest.raises(TypeError, match="cu_seqlens_q"):
+        paged_prefill(q, kc, vc, cu.long(), sl, bt, 5)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        paged_prefill(q, kc, vc, cu, sl, bt, 4)
+    with pytest.raises(ValueError, match="seqlens_k"):
+        paged_prefill(q, kc, vc, cu, torch.tensor([15, 2], dtype=torch.int32), bt, 5)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        paged_prefill(q, kc, vc, torch.tensor([0, 5, 7], dtype=torch.int32), sl, bt, 5)
+    bad = bt.clone()
+    bad[0, 0] = -1
+    with pytest.raises(ValueError, match="block_table"):
+        paged_prefill(q, kc, vc, cu, sl, bad, 5)
+    with pytest.raises(ValueError, match="q"):
+        paged_prefill(q.unsqueeze(0), kc, vc, cu, sl, bt, 5)
