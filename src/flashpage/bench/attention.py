@@ -1,0 +1,523 @@
+"""``flashpage bench attention``: FlashAttention forward / backward against the baselines, in one run.
+
+flash-attn's benchmark convention: 16k tokens in total (``batch = 16384 // seqlen``), model dim 2048
+(``nheads = nheads_k = 2048 // d``), bf16, seqlen 1k / 4k / 16k, head dims 64 / 128 / 256, causal and
+not. Implementations measured in the same process:
+
+* ``flashpage``: ``flashpage.ops.flash_attn.flash_attn_func`` (Triton backend, checked-in tile table);
+* ``sdpa-flash`` / ``sdpa-cudnn`` / ``sdpa-efficient``: ``F.scaled_dot_product_attention`` under
+  ``torch.nn.attention.sdpa_kernel`` on contiguous ``(batch, nheads, seqlen, d)`` tensors;
+* ``flex``: FlexAttention under ``torch.compile`` (head dim 128 only unless ``--flex-all``; one
+  compile per shape, skipped when the time budget runs out);
+* ``flash-attn``: ``flash_attn.flash_attn_func`` when importable.
+
+FLOPs: forward ``4 * batch * nheads * seqlen^2 * d`` (halved when causal), backward 2.5x the forward.
+Backward time = ``torch.autograd.grad`` of a retained graph (the backward kernels only).
+``frac_of_roofline`` = TFLOP/s over the bf16 matmul peak measured in the same run (8192^3);
+``ratio_vs_sdpa_flash`` = TFLOP/s over SDPA-flash's on the same row. Every implementation's output and
+gradients are compared with SDPA-flash's before timing (``max_err``; a failing flashpage check makes
+the exit status 1).
+
+``--variants`` also times every tile configuration of ``flashpage.ops.flash_configs.fwd_candidates``
+/ ``bwd_candidates`` (TMA on / off, dQ atomic / separate) directly through ``flash_fwd`` /
+``flash_bwd`` at the longest sequence of the sweep and prints the best per (head dim, causal) as the
+``HOPPER_FWD`` / ``HOPPER_BWD`` dicts to paste into flash_configs.py.
+
+GPU: ``PYTHONUNBUFFERED=1 PYTHONPATH=src python3 -m flashpage.bench.attention [--quick] [--variants]``
+(``--quick``: d=128, seqlen 4k / 16k). ``--smoke`` runs tiny shapes on any device (CPU: the Triton
+interpreter) to check the script itself. Writes ``benchmarks/results/attention-<gpu>.json`` and the
+table in ``benchmarks/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flashpage.bench.common import env_info, write_results
+
+TABLE_COLUMNS = [
+    "impl",
+    "d",
+    "seqlen",
+    "batch",
+    "nheads",
+    "causal",
+    "pass",
+    "ms",
+    "tflops",
+    "frac_of_roofline",
+    "ratio_vs_sdpa_flash",
+    "max_err",
+]
+SDPA_IMPLS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark problem (self-attention, ``nheads_k == nheads``)."""
+
+    batch: int
+    seqlen: int
+    nheads: int
+    d: int
+    causal: bool
+
+    @property
+    def fwd_flops(self) -> float:
+        return 4.0 * self.batch * self.nheads * self.seqlen**2 * self.d / (2 if self.causal else 1)
+
+
+@dataclass(frozen=True)
+class Settings:
+    shapes: list[Shape]
+    warmup_ms: int
+    rep_ms: int
+    flex_dims: tuple[int, ...]
+    budget_s: float
+    smoke: bool
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    if args.smoke:
+        dims, seqs, total, model = (32,), (32, 64), 128, 64
+    else:
+        dims = (128,) if args.quick else (64, 128, 256)
+        seqs = (4096, 16384) if args.quick else (1024, 4096, 16384)
+        total, model = 16384, 2048
+    if args.head_dims:
+        dims = tuple(int(x) for x in args.head_dims.split(","))
+    if args.seqlens:
+        seqs = tuple(int(x) for x in args.seqlens.split(","))
+    shapes = [
+        Shape(max(1, total // s), s, model // d, d, causal)
+        for d in dims
+        for causal in (False, True)
+        for s in seqs
+    ]
+    flex_dims = () if args.no_flex else (dims if args.flex_all else tuple(d for d in dims if d == 128))
+    budget = args.budget_s if args.budget_s else (420.0 if args.quick else 540.0)
+    return Settings(shapes, 25, 100, flex_dims, budget, args.smoke)
+
+
+def _timer(device: torch.device, warmup_ms: int, rep_ms: int) -> Callable[[Callable[[], Any]], float]:
+    """Median ms: triton's do_bench on CUDA, a few perf_counter repetitions on CPU (smoke only)."""
+    if device.type == "cuda":
+        from flashpage.bench.common import do_bench_ms
+
+        return lambda fn: do_bench_ms(fn, warmup=warmup_ms, rep=rep_ms)
+
+    def cpu_time(fn: Callable[[], Any]) -> float:
+        fn()
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return sorted(ts)[1]
+
+    return cpu_time
+
+
+def matmul_peak_tflops(device: torch.device, time_ms: Callable[[Callable[[], Any]], float]) -> float:
+    """bf16 ``8192^3`` matmul TFLOP/s (CPU smoke: float32 256^3)."""
+    n, dt = (8192, torch.bfloat16) if device.type == "cuda" else (256, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dt)
+    b = torch.randn(n, n, device=device, dtype=dt)
+    ms = time_ms(lambda: a @ b)
+    return 2.0 * n**3 / ms / 1e9
+
+
+# ------------------------------------------------------------------------------------------------
+# Implementations: each gives a forward closure returning the output in (batch, seqlen, nheads, d)
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Impl:
+    name: str
+    fwd: Callable[[], Tensor]
+    inputs: tuple[Tensor, Tensor, Tensor]
+    ctx: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    note: str = ""
+    bhsd_inputs: bool = False  # gradients come back (batch, nheads, seqlen, d)
+
+
+def _sdpa_impls(qt: Tensor, kt: Tensor, vt: Tensor, causal: bool, device: torch.device) -> list[Impl]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = (
+        {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+         "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}
+        if device.type == "cuda"
+        else {"sdpa-flash": SDPBackend.MATH}
+    )  # fmt: skip
+    out = []
+    for name, be in backends.items():
+        fwd = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+        out.append(Impl(name, fwd, (qt, kt, vt), ctx=lambda be=be: sdpa_kernel(be), bhsd_inputs=True))
+    return out
+
+
+class _Flex:
+    """FlexAttention compiled once per process (recompiles per shape happen on first use)."""
+
+    def __init__(self) -> None:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        self.fn = torch.compile(flex_attention, dynamic=False)
+        self.create_block_mask = create_block_mask
+
+    def impl(self, qt: Tensor, kt: Tensor, vt: Tensor, causal: bool) -> Impl:
+        s = qt.shape[2]
+        mask = None
+        if causal:
+            mask = self.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, s, s, device=qt.device)
+        fwd = lambda: self.fn(qt, kt, vt, block_mask=mask).transpose(1, 2)
+        return Impl("flex", fwd, (qt, kt, vt), bhsd_inputs=True)
+
+
+def _flash_attn_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Impl | None:
+    try:
+        from flash_attn import flash_attn_func as fa_func  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return Impl("flash-attn", lambda: fa_func(q, k, v, causal=causal), (q, k, v))
+
+
+# ------------------------------------------------------------------------------------------------
+# Measurement
+# ------------------------------------------------------------------------------------------------
+def _max_err(a: Tensor, b: Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    """max |a - b| / max(|b|, 1e-6): scale-free error for gradients of very different magnitudes."""
+    return _max_err(a, b) / max(float(b.float().abs().max()), 1e-6)
+
+
+def _grads(out: Tensor, inputs: tuple[Tensor, ...], do: Tensor) -> tuple[Tensor, ...]:
+    return torch.autograd.grad(out, inputs, do, retain_graph=True)
+
+
+def _impl_grads(impl: Impl, out: Tensor, do: Tensor) -> tuple[Tensor, ...]:
+    """Gradients w.r.t. the impl's inputs, in (batch, seqlen, nheads, d)."""
+    gs = _grads(out, impl.inputs, do)
+    return tuple(g.transpose(1, 2) for g in gs) if impl.bhsd_inputs else gs
+
+
+def measure_impl(
+    impl: Impl,
+    shape: Shape,
+    ref: tuple[Tensor, ...],
+    do: Tensor,
+    time_ms: Callable[[Callable[[], Any]], float],
+) -> tuple[list[dict[str, Any]], bool]:
+    """Check ``impl`` against the reference ``(out, dq, dk, dv)`` (bshd), then time fwd and bwd.
+
+    Returns the two rows and whether the check passed (out rel. err <= 2e-2, grads <= 5e-2)."""
+    rows: list[dict[str, Any]] = []
+    with impl.ctx():
+        out = impl.fwd()
+        grads = _impl_grads(impl, out, do)
+        err_o = _rel(out, ref[0])
+        err_g = max(_rel(g, r) for g, r in zip(grads, ref[1:]))
+        ok = err_o <= 2e-2 and err_g <= 5e-2
+        del grads
+        ms_f = time_ms(impl.fwd)
+        out = impl.fwd()
+        ms_b = time_ms(lambda: _grads(out, impl.inputs, do))
+    for pas, ms, flops, err in (
+        ("fwd", ms_f, shape.fwd_flops, err_o),
+        ("bwd", ms_b, 2.5 * shape.fwd_flops, err_g),
+    ):
+        rows.append(
+            {
+                "bench": "attention", "impl": impl.name, "dtype": "bfloat16", "batch": shape.batch,
+                "seqlen": shape.seqlen, "nheads": shape.nheads, "nheads_k": shape.nheads, "d": shape.d,
+                "causal": shape.causal, "pass": pas, "ms": ms, "tflops": flops / ms / 1e9,
+                "max_err": err, "check_ok": ok,
+            }
+        )  # fmt: skip
+        if impl.note:
+            rows[-1]["config"] = impl.note
+    return rows, ok
+
+
+def make_inputs(shape: Shape, device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
+    """bshd q/k/v (flashpage, flash-attn), contiguous bhsd copies (SDPA, flex) and dO."""
+    b, s, h, d = shape.batch, shape.seqlen, shape.nheads, shape.d
+    q, k, v = (torch.randn(b, s, h, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    return {"q": q, "k": k, "v": v, "qt": qt, "kt": kt, "vt": vt, "do": torch.randn_like(q)}
+
+
+def bench_shape(
+    shape: Shape,
+    st: Settings,
+    device: torch.device,
+    time_ms: Callable[[Callable[[], Any]], float],
+    flex: _Flex | None,
+    deadline: float,
+) -> tuple[list[dict[str, Any]], bool, list[str]]:
+    from flashpage.ops.flash_attn import flash_attn_func
+    from flashpage.ops.flash_configs import bwd_config, fwd_config
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    t = make_inputs(shape, device, dtype)
+    q, k, v, do = t["q"], t["k"], t["v"], t["do"]
+    notes: list[str] = []
+    sdpa = _sdpa_impls(t["qt"], t["kt"], t["vt"], shape.causal, device)
+    with sdpa[0].ctx():  # reference: SDPA flash (math on CPU)
+        out = sdpa[0].fwd()
+        ref = (out.detach(), *_impl_grads(sdpa[0], out, do))
+    cfg = fwd_config(shape.d, dtype, shape.causal, device)
+    bcfg = bwd_config(shape.d, dtype, shape.causal, device)
+    impls = [
+        Impl(
+            "flashpage",
+            lambda: flash_attn_func(q, k, v, causal=shape.causal),
+            (q, k, v),
+            note=f"{cfg.short()} | {bcfg.short()}",
+        )
+    ]  # type: ignore[arg-type]
+    impls += sdpa
+    fa = _flash_attn_impl(q, k, v, shape.causal)
+    if fa is not None:
+        impls.append(fa)
+    if flex is not None and shape.d in st.flex_dims:
+        if time.perf_counter() < deadline:
+            impls.append(flex.impl(t["qt"], t["kt"], t["vt"], shape.causal))
+        else:
+            notes.append(f"flex skipped at d={shape.d} s={shape.seqlen} causal={shape.causal}: time budget")
+    rows: list[dict[str, Any]] = []
+    flashpage_ok = True
+    for impl in impls:
+        try:
+            r, ok = measure_impl(impl, shape, ref, do, time_ms)
+        except Exception as e:  # a baseline that does not support the shape is reported, not fatal
+            msg = f"{impl.name} d={shape.d} s={shape.seqlen} causal={shape.causal}: {type(e).__name__}: {str(e)[:160]}"
+            print("  FAILED " + msg, flush=True)
+            notes.append(msg)
+            if impl.name == "flashpage":
+                flashpage_ok = False
+            continue
+        if impl.name == "flashpage" and not ok:
+            flashpage_ok = False
+            print(
+                f"  CHECK FAILED flashpage: out/grad rel err {r[0]['max_err']:.2e} / {r[1]['max_err']:.2e}",
+                flush=True,
+            )
+        rows += r
+    base = {row["pass"]: row["tflops"] for row in rows if row["impl"] == "sdpa-flash"}
+    for row in rows:
+        if row["pass"] in base:
+            row["ratio_vs_sdpa_flash"] = row["tflops"] / base[row["pass"]]
+    return rows, flashpage_ok, notes
+
+
+# ------------------------------------------------------------------------------------------------
+# Variants (tile configs, TMA on / off, dQ mode)
+# ------------------------------------------------------------------------------------------------
+def bench_variants(
+    shape: Shape,
+    device: torch.device,
+    time_ms: Callable[[Callable[[], Any]], float],
+    limit: int | None,
+) -> tuple[list[dict[str, Any]], Any, Any]:
+    """Time every candidate config on ``shape``; returns (rows, best fwd config, best bwd config)."""
+    from flashpage.ops.flash_bwd import flash_bwd
+    from flashpage.ops.flash_configs import bwd_candidates, fwd_candidates
+    from flashpage.ops.flash_fwd import flash_fwd
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    t = make_inputs(shape, device, dtype)
+    q, k, v, do = (t[n].detach() for n in ("q", "k", "v", "do"))
+    qt, kt, vt = (t[n].detach().requires_grad_() for n in ("qt", "kt", "vt"))
+    ref_o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=shape.causal)
+    ref_g = tuple(g.transpose(1, 2) for g in torch.autograd.grad(ref_o, (qt, kt, vt), do.transpose(1, 2)))
+    ref_o = ref_o.detach().transpose(1, 2)
+    rows: list[dict[str, Any]] = []
+    best: dict[str, tuple[float, Any]] = {}
+    out0, lse0 = flash_fwd(q, k, v, causal=shape.causal)
+    for pas, cands in (("fwd", fwd_candidates(shape.d, device)), ("bwd", bwd_candidates(shape.d, device))):
+        for cfg in cands[:limit]:
+            try:
+                if pas == "fwd":
+                    fn = lambda cfg=cfg: flash_fwd(q, k, v, causal=shape.causal, config=cfg)
+                    err = _rel(fn()[0], ref_o)
+                    flops = shape.fwd_flops
+                else:
+                    fn = lambda cfg=cfg: flash_bwd(do, q, k, v, out0, lse0, causal=shape.causal, config=cfg)
+                    err = max(_rel(g, r) for g, r in zip(fn(), ref_g))
+                    flops = 2.5 * shape.fwd_flops
+                ms = time_ms(fn)
+            except Exception as e:
+                print(f"    {pas} {cfg.short():40s} FAILED {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            ok = err <= (2e-2 if pas == "fwd" else 5e-2)
+            tf = flops / ms / 1e9
+            print(
+                f"    {pas} {cfg.short():40s} {ms:8.3f} ms {tf:7.1f} TFLOP/s err {err:.1e}{'' if ok else ' WRONG'}",
+                flush=True,
+            )
+            rows.append({"pass": pas, "d": shape.d, "causal": shape.causal, "seqlen": shape.seqlen,
+                         "variant": cfg.short(), "ms": ms, "tflops": tf, "max_err": err, "check_ok": ok})  # fmt: skip
+            if ok and tf > best.get(pas, (0.0, None))[0]:
+                best[pas] = (tf, cfg)
+    return rows, best.get("fwd", (0.0, None))[1], best.get("bwd", (0.0, None))[1]
+
+
+def _config_literal(cfg: Any) -> str:
+    from dataclasses import fields
+
+    args = ", ".join(f"{f.name}={getattr(cfg, f.name)!r}" for f in fields(cfg))
+    return f"{type(cfg).__name__}({args})"
+
+
+# ------------------------------------------------------------------------------------------------
+# Main
+# ------------------------------------------------------------------------------------------------
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    keyed: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        keyed.setdefault((r["d"], r["seqlen"], r["causal"], r["pass"]), {})[r["impl"]] = r
+    impls: list[str] = []
+    for r in rows:
+        if r["impl"] not in impls:
+            impls.append(r["impl"])
+    head = f"{'d':>4} {'seqlen':>6} {'causal':>6} {'pass':>4} | " + " | ".join(f"{n:>14}" for n in impls)
+    print("\nTFLOP/s (ratio to sdpa-flash)\n" + head + "\n" + "-" * len(head))
+    for (d, s, c, p), per in keyed.items():
+        cells = []
+        for n in impls:
+            r = per.get(n)
+            cells.append(f"{r['tflops']:7.1f} ({r.get('ratio_vs_sdpa_flash', 0):.2f})" if r else f"{'-':>14}")
+        print(f"{d:>4} {s:>6} {int(c):>6} {p:>4} | " + " | ".join(cells))
+
+
+@contextlib.contextmanager
+def _section(name: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    yield
+    print(f"  [{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; returns 0 when flashpage matched SDPA on every shape, 1 otherwise, 2 on bad use."""
+    parser = argparse.ArgumentParser(prog="flashpage bench attention", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="d=128, seqlen 4k/16k only (< 8 min on an H200)")
+    parser.add_argument("--variants", action="store_true", help="also time every tile config / TMA on-off")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on any device (CPU: Triton interpreter)"
+    )
+    parser.add_argument("--head-dims", default=None, help="comma list overriding the head dims")
+    parser.add_argument("--seqlens", default=None, help="comma list overriding the sequence lengths")
+    parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles are slow)")
+    parser.add_argument(
+        "--flex-all", action="store_true", help="FlexAttention at every head dim, not just 128"
+    )
+    parser.add_argument("--budget-s", type=float, default=None, help="skip flex after this many seconds")
+    parser.add_argument(
+        "--out", "--out-dir", dest="out_dir", type=Path, default=None, help="results directory"
+    )
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        if not args.smoke:
+            print(
+                "flashpage bench attention needs a CUDA GPU (use --smoke to check the script on CPU)",
+                file=sys.stderr,
+            )
+            return 2
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before flashpage.ops imports triton
+        os.environ.setdefault("FLASHPAGE_BACKEND", "triton")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    st = _settings(args)
+    time_ms = _timer(device, st.warmup_ms, st.rep_ms)
+    sweep_ms = _timer(device, 10, 40)
+    t_start = time.perf_counter()
+    deadline = t_start + st.budget_s
+    torch.manual_seed(0)
+    peak = matmul_peak_tflops(device, time_ms)
+    print(
+        f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}: matmul peak {peak:.0f} TFLOP/s",
+        flush=True,
+    )
+    flex = None
+    if st.flex_dims and device.type == "cuda":
+        try:
+            flex = _Flex()
+        except Exception as e:
+            print(f"flex unavailable: {e}", flush=True)
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    all_ok = True
+    for shape in st.shapes:
+        print(
+            f"d={shape.d} s={shape.seqlen} b={shape.batch} h={shape.nheads} causal={shape.causal}", flush=True
+        )
+        with _section("shape"):
+            r, ok, n = bench_shape(shape, st, device, time_ms, flex, deadline)
+        for row in r:
+            row["frac_of_roofline"] = row["tflops"] / peak
+            print(f"  {row['impl']:15s} {row['pass']} {row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s "
+                  f"x{row.get('ratio_vs_sdpa_flash', float('nan')):.2f} err {row['max_err']:.1e}", flush=True)  # fmt: skip
+        rows += r
+        notes += n
+        all_ok &= ok
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    _print_table(rows)
+
+    if args.variants:
+        best_f: dict[tuple[int, bool], Any] = {}
+        best_b: dict[tuple[int, bool], Any] = {}
+        longest = max(s.seqlen for s in st.shapes)
+        for shape in st.shapes:
+            if shape.seqlen != longest:
+                continue
+            print(f"variants d={shape.d} s={shape.seqlen} causal={shape.causal}", flush=True)
+            with _section("variants"):
+                _, bf, bb = bench_variants(shape, device, sweep_ms, 2 if st.smoke else None)
+            key = (max(32, 1 << (shape.d - 1).bit_length()), shape.causal)
+            if bf is not None:
+                best_f[key] = bf
+            if bb is not None:
+                best_b[key] = bb
+        print("\n# best configs, paste into src/flashpage/ops/flash_configs.py")
+        print(
+            "HOPPER_FWD = {\n" + "".join(f"    {k}: {_config_literal(c)},\n" for k, c in best_f.items()) + "}"
+        )
+        print(
+            "HOPPER_BWD = {\n" + "".join(f"    {k}: {_config_literal(c)},\n" for k, c in best_b.items()) + "}"
+        )
+
+    env = env_info(peak, None)
+    note = (
+        "16k tokens total, model dim 2048, bf16; TFLOP/s from 4*b*h*s^2*d (/2 causal), bwd 2.5x fwd; "
+        "ratio_vs_sdpa_flash per row; max_err = relative max error vs SDPA-flash (grads: worst of dq/dk/dv)."
+    )
+    if notes:
+        note += " Notes: " + "; ".join(notes)
+    out_dir = args.out_dir
+    if st.smoke and out_dir is None:  # a script check, not a result: keep it out of benchmarks/
+        out_dir = Path(tempfile.mkdtemp(prefix="flashpage-attn-smoke-"))
+    columns = None if st.smoke else TABLE_COLUMNS  # smoke runs never touch benchmarks/README.md
+    path = write_results("attention", rows, env, table_columns=columns, out_dir=out_dir, note=note)
+    print(f"\nwrote {path} ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

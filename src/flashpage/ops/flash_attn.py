@@ -1,0 +1,375 @@
+"""Public FlashAttention API, drop-in for flash-attn 2.x: ``flash_attn_func``, ``flash_attn_varlen_func``.
+
+Backends (``FLASHPAGE_BACKEND``, read at every call via :func:`flashpage.ops.backend.resolve_backend`):
+
+* ``triton`` — the kernels of :mod:`flashpage.ops.flash_fwd` / :mod:`flashpage.ops.flash_bwd`, wrapped
+  in the custom ops ``flashpage::flash_attn_forward`` / ``flashpage::flash_attn_backward``
+  (``torch.library.custom_op`` with fake implementations and ``register_autograd``), so they are
+  differentiable and trace under ``torch.compile`` as opaque nodes.
+* ``torch`` — :mod:`flashpage.ops.reference` in float32 (``upcast=True``), cast back to the input
+  dtype; autograd comes from PyTorch.
+* ``auto`` (default) — ``triton`` for CUDA tensors, ``torch`` otherwise.
+
+Dropout: the Triton path draws a 62-bit philox seed from torch's default (CPU) generator at every
+forward (no device sync), so results are reproducible under ``torch.manual_seed``; the seed is saved
+for the backward. The torch path draws a boolean keep mask with ``torch.rand`` on the inputs' device.
+
+``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``: ``softmax_lse`` float32 natural log
+(``(batch, nheads, seqlen_q)``, varlen ``(nheads, total_q)``), ``S_dmask`` float32
+``(batch, nheads, seqlen_q, seqlen_k)`` (varlen: ``max_seqlen_q/k``, zero padded) holding the softmax
+probabilities, with the dropout pattern in the sign as in flash-attn (``torch.signbit`` set = dropped).
+It is materialised by a separate kernel and is meant for tests at small sizes.
+
+``flash_attn_varlen_fwd`` is the engine's no-autograd prefill entry (``(out, lse)``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from flashpage.ops.backend import resolve_backend
+from flashpage.ops.flash_bwd import flash_bwd
+from flashpage.ops.flash_fwd import attention_probs, check_attention_inputs, flash_fwd
+from flashpage.ops.reference import attention_ref, varlen_attention_ref
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_varlen_fwd"]
+
+_SEED_HIGH = 1 << 62
+
+
+def _draw_seed() -> int:
+    """A philox seed from torch's default CPU generator (follows ``torch.manual_seed``; no GPU sync)."""
+    return int(torch.randint(0, _SEED_HIGH, (1,), dtype=torch.int64).item())
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops (Triton backend)
+# ----------------------------------------------------------------------------------------------
+@torch.library.custom_op("flashpage::flash_attn_forward", mutates_args=())
+def _flash_attn_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    deterministic: bool,
+    return_probs: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``(out, lse, rng_state, probs)``; ``rng_state`` is a CPU int64 ``(1,)`` seed,
+    ``probs`` is empty unless ``return_probs``. ``deterministic`` only matters to the backward."""
+    varlen = cu_seqlens_q is not None
+    seed = _draw_seed() if dropout_p > 0 else 0
+    kw = {
+        "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+        "max_seqlen_q": max_seqlen_q if varlen else None, "max_seqlen_k": max_seqlen_k if varlen else None,
+        "softmax_scale": softmax_scale, "causal": causal, "window_size": (window_left, window_right),
+        "softcap": softcap, "alibi_slopes": alibi_slopes, "dropout_p": dropout_p,
+    }  # fmt: skip
+    out, lse = flash_fwd(q, k, v, seed=seed, validate=False, **kw)  # type: ignore[arg-type]
+    if return_probs:
+        prob = check_attention_inputs(q, k, v, validate=False, **kw)  # type: ignore[arg-type]
+        probs = attention_probs(
+            q, k, lse, prob, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            alibi_slopes=alibi_slopes, seed=seed,
+        )  # fmt: skip
+    else:
+        probs = q.new_empty((0,), dtype=torch.float32)
+    return out, lse, torch.tensor([seed], dtype=torch.int64), probs
+
+
+@_flash_attn_forward.register_fake
+def _flash_attn_forward_fake(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
+    window_left: int, window_right: int, softcap: float, alibi_slopes: Tensor | None,
+    deterministic: bool, return_probs: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    if cu_seqlens_q is not None:
+        h, batch, sq, sk = q.shape[1], cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+        lse = q.new_empty((h, q.shape[0]), dtype=torch.float32)
+    else:
+        batch, sq, h, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
+        lse = q.new_empty((batch, h, sq), dtype=torch.float32)
+    shape = (batch, h, sq, sk) if return_probs else (0,)
+    probs = q.new_empty(shape, dtype=torch.float32)
+    return q.new_empty(q.shape), lse, torch.empty((1,), dtype=torch.int64, device="cpu"), probs
+
+
+@torch.library.custom_op("flashpage::flash_attn_backward", mutates_args=())
+def _flash_attn_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    rng_state: Tensor,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of :func:`_flash_attn_forward`."""
+    varlen = cu_seqlens_q is not None
+    return flash_bwd(
+        dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q if varlen else None, max_seqlen_k=max_seqlen_k if varlen else None,
+        softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=int(rng_state[0].item()),
+        deterministic=deterministic, validate=False,
+    )  # fmt: skip
+
+
+@_flash_attn_backward.register_fake
+def _flash_attn_backward_fake(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, rng_state: Tensor,
+    cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+    dropout_p: float, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+    softcap: float, alibi_slopes: Tensor | None, deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
+    q, k, v, cu_q, cu_k, max_sq, max_sk, p, scale, causal, wl, wr, cap, alibi, det, _probs = inputs
+    out, lse, rng, _ = output
+    ctx.save_for_backward(q, k, v, out, lse, rng, cu_q, cu_k, alibi)  # type: ignore[attr-defined]
+    ctx.args = (max_sq, max_sk, p, scale, causal, wl, wr, cap, det)  # type: ignore[attr-defined]
+
+
+def _backward(ctx: torch.autograd.function.FunctionCtx, dout: Tensor, *_unused: Tensor) -> tuple:
+    q, k, v, out, lse, rng, cu_q, cu_k, alibi = ctx.saved_tensors  # type: ignore[attr-defined]
+    max_sq, max_sk, p, scale, causal, wl, wr, cap, det = ctx.args  # type: ignore[attr-defined]
+    dq, dk, dv = _flash_attn_backward(
+        dout, q, k, v, out, lse, rng, cu_q, cu_k, max_sq, max_sk, p, scale, causal, wl, wr, cap, alibi, det
+    )
+    return (dq, dk, dv) + (None,) * 13
+
+
+torch.library.register_autograd("flashpage::flash_attn_forward", _backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Torch (reference) backend
+# ----------------------------------------------------------------------------------------------
+def _sign_encoded(probs: Tensor, keep: Tensor | None) -> Tensor:
+    return probs if keep is None else torch.where(keep, probs, -probs)
+
+
+def _torch_attn(
+    q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float, causal: bool,
+    window_size: tuple[int, int], softcap: float, alibi_slopes: Tensor | None, want_probs: bool = True,
+) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """One padded batch through the float32 reference: (out in q.dtype, lse, S_dmask or None)."""
+    b, sq, h, _ = q.shape
+    sk = k.shape[1]
+    keep = torch.rand(b, h, sq, sk, device=q.device) >= dropout_p if dropout_p > 0 else None
+    kw = {"softmax_scale": scale, "causal": causal, "window_size": window_size, "softcap": softcap,
+          "alibi_slopes": alibi_slopes}  # fmt: skip
+    out, lse = attention_ref(q, k, v, dropout_p=dropout_p, dropout_mask=keep, **kw)[:2]  # type: ignore[arg-type]
+    if not want_probs:
+        return out.to(q.dtype), lse, None
+    with torch.no_grad():
+        probs = attention_ref(q.detach(), k.detach(), v.detach(), return_probs=True, **kw)[2]  # type: ignore[arg-type]
+    return out.to(q.dtype), lse, _sign_encoded(probs, keep)
+
+
+def _torch_varlen(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_sq: int, max_sk: int,
+    dropout_p: float, scale: float, causal: bool, window_size: tuple[int, int], softcap: float,
+    alibi_slopes: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Varlen through the reference, one sequence at a time (differentiable)."""
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    batch, h = len(cq) - 1, q.shape[1]
+    lse = torch.full((h, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    probs = torch.zeros(batch, h, max_sq, max_sk, dtype=torch.float32, device=q.device)
+    pieces: list[Tensor] = []
+    for i in range(batch):
+        n_q, n_k = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+        if n_q == 0:
+            continue
+        qi, ki, vi = q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]]
+        a = alibi_slopes[i] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        o_i, l_i, p_i = _torch_attn(
+            qi.unsqueeze(0),
+            ki.unsqueeze(0),
+            vi.unsqueeze(0),
+            dropout_p,
+            scale,
+            causal,
+            window_size,
+            softcap,
+            a,
+        )
+        pieces.append(o_i[0])
+        lse[:, cq[i] : cq[i + 1]] = l_i[0]
+        probs[i, :, :n_q, :n_k] = p_i[0]  # type: ignore[index]
+    pieces.append(q.new_zeros((q.shape[0] - cq[-1], *q.shape[1:])))  # packed padding rows
+    return torch.cat(pieces, dim=0), lse, probs
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+def _scale(q: Tensor, softmax_scale: float | None) -> float:
+    return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+def flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+    """flash-attn 2.x ``flash_attn_func``: differentiable attention on padded batches.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, d)``; k, v: ``(batch, seqlen_k, nheads_k, d)``, nheads % nheads_k == 0.
+        dropout_p: dropout probability (kept entries scaled by ``1/(1-p)``).
+        softmax_scale: default ``d ** -0.5``.
+        causal, window_size: bottom-right aligned causal mask / sliding window ``(left, right)``, -1 = unbounded.
+        softcap: ``scores = softcap * tanh(scores / softcap)`` before masking (0 = off).
+        alibi_slopes: ``(nheads,)`` or ``(batch, nheads)`` float32.
+        deterministic: bit-identical gradients run to run (no atomics in the backward).
+        return_attn_probs: also return ``softmax_lse`` and ``S_dmask`` (see the module doc).
+
+    Returns:
+        ``out (batch, seqlen_q, nheads, d)``, or ``(out, softmax_lse, S_dmask)``.
+    """
+    backend = resolve_backend(q.device if isinstance(q, Tensor) else None)
+    validate = not torch.compiler.is_compiling()
+    check_attention_inputs(
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, validate=validate, kernel_device=backend == "triton",
+    )  # fmt: skip
+    scale = _scale(q, softmax_scale)
+    if backend == "torch":
+        out, lse, probs = _torch_attn(  # type: ignore[assignment]
+            q, k, v, dropout_p, scale, causal, tuple(window_size), softcap, alibi_slopes, return_attn_probs
+        )
+    else:
+        out, lse, _rng, probs = _flash_attn_forward(
+            q, k, v, None, None, 0, 0, float(dropout_p), scale, bool(causal), int(window_size[0]),
+            int(window_size[1]), float(softcap), alibi_slopes, bool(deterministic), bool(return_attn_probs),
+        )  # fmt: skip
+    return (out, lse, probs) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+    """flash-attn 2.x ``flash_attn_varlen_func`` on packed sequences (differentiable).
+
+    Args:
+        q: ``(total_q, nheads, d)``; k, v: ``(total_k, nheads_k, d)``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` prefix sums of the sequence lengths.
+        max_seqlen_q, max_seqlen_k: the longest query / key sequence.
+        block_table: paged KV is served by ``flash_attn_with_kvcache``; must be None here.
+        Other arguments: as :func:`flash_attn_func`; a ``(batch, nheads)`` alibi is per sequence.
+
+    Returns:
+        ``out (total_q, nheads, d)``, or ``(out, softmax_lse (nheads, total_q), S_dmask)``.
+    """
+    if block_table is not None:
+        raise ValueError(
+            "block_table (paged KV) is not supported by flash_attn_varlen_func; use flash_attn_with_kvcache"
+        )
+    backend = resolve_backend(q.device if isinstance(q, Tensor) else None)
+    validate = not torch.compiler.is_compiling()
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    check_attention_inputs(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, validate=validate,
+        kernel_device=backend == "triton",
+    )  # fmt: skip
+    scale = _scale(q, softmax_scale)
+    if backend == "torch":
+        out, lse, probs = _torch_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale, causal,
+            tuple(window_size), softcap, alibi_slopes,
+        )  # fmt: skip
+    else:
+        out, lse, _rng, probs = _flash_attn_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(dropout_p), scale,
+            bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
+            bool(deterministic), bool(return_attn_probs),
+        )  # fmt: skip
+    return (out, lse, probs) if return_attn_probs else out
+
+
+def flash_attn_varlen_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    *,
+    validate: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Varlen forward without autograd (the engine's prefill call): ``(out, lse (nheads, total_q))``.
+
+    Runs the Triton kernel unless ``FLASHPAGE_BACKEND`` resolves to ``torch`` for q's device.
+    ``validate=False`` skips the host sync that checks cu_seqlens values (CUDA-graph / hot path).
+    """
+    if resolve_backend(q.device) == "torch":
+        out, lse = varlen_attention_ref(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=softmax_scale, causal=causal,
+            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        )  # fmt: skip
+        return out.to(q.dtype), lse
+    return flash_fwd(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
+        max_seqlen_k=int(max_seqlen_k), softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, validate=validate,
+    )  # fmt: skip

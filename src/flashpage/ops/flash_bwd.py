@@ -1,0 +1,580 @@
+"""FlashAttention backward in Triton: preprocess (delta), dK/dV kernel, dQ kernel, launcher.
+
+The probabilities are recomputed from the forward's LSE (``P = exp2(s * log2e - lse * log2e)``), never
+stored. With ``dP = dO V^T`` (times the dropout mask and ``1/(1-p)``) and
+``delta = rowsum(dO * O)`` (computed by :func:`_bwd_preprocess_kernel`), ``dS = P * (dP - delta)``;
+the softcap contributes its derivative ``1 - tanh^2`` and the softmax scale is applied to ``dS`` once.
+
+* :func:`_bwd_dkdv_kernel` — grid ``(cdiv(max_seqlen_k, block_n1), batch * nheads_k)``: a program
+  keeps a ``block_n1`` tile of K and V on chip and loops over the ``nheads / nheads_k`` query heads of
+  its GQA group and, per head, over the query tiles that see the KV tile (``block_m1`` rows per step;
+  tiles entirely above the causal diagonal / outside the window are skipped, fully visible tiles run
+  without mask arithmetic). So dK/dV of a KV head are summed over its group inside the kernel,
+  without atomics. With ``dq_mode="atomic"`` it also adds ``dS K`` into a float32 dQ buffer with
+  atomics (fewer FLOPs, not bit-reproducible).
+* :func:`_bwd_dq_kernel` — grid ``(cdiv(max_seqlen_q, block_m2), batch * nheads)``: a program keeps
+  ``block_m2`` rows of Q, dO, LSE, delta and loops over the visible KV tiles (same three-part split as
+  the forward). No atomics: ``deterministic=True`` gives bit-identical dQ/dK/dV run to run.
+
+Layouts and masking semantics are those of :mod:`flashpage.ops.flash_fwd` (whose jit helpers are
+reused, so forward and backward agree on masks, ALiBi, softcap and the dropout pattern).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from flashpage.ops.flash_configs import (
+    BwdConfig,
+    autotune,
+    autotune_enabled,
+    bwd_candidates,
+    bwd_config,
+    tma_supported,
+)
+from flashpage.ops.flash_fwd import (
+    LOG2E,
+    AttnProblem,
+    _keep,
+    _load_rows,
+    _scores,
+    _seq_bounds,
+    _visible,
+    alibi_args,
+    bsh_strides,
+    check_attention_inputs,
+    dot_precision,
+    launch_common,
+    lse_strides,
+    make_row_descriptor,
+    needs_interpreter_upcast,
+    problem_key,
+    tma_row_view_ok,
+)
+
+__all__ = ["flash_bwd"]
+
+
+@triton.jit
+def _bwd_preprocess_kernel(
+    O, DO, DELTA, CU_Q,
+    stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh, stride_lb, stride_lh,
+    nheads, seqlen_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr,
+):  # fmt: skip
+    """delta[b, h, i] = sum_d dO[i, d] * O[i, d] (float32), stored in the LSE layout."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // nheads
+    h = pid_bh % nheads
+    q_start, sq, _ks, _sk = _seq_bounds(b, CU_Q, CU_Q, seqlen_q, seqlen_q, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
+    if VARLEN:
+        o_off = q_start.to(tl.int64) * stride_om
+        do_off = q_start.to(tl.int64) * stride_dom
+        l_off = q_start.to(tl.int64)
+    else:
+        o_off = b.to(tl.int64) * stride_ob
+        do_off = b.to(tl.int64) * stride_dob
+        l_off = b.to(tl.int64) * stride_lb
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_rows(O + o_off + h * stride_oh, O, 0, 0, offs_m, offs_d, stride_om, sq,
+                   HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
+    do = _load_rows(DO + do_off + h * stride_doh, DO, 0, 0, offs_m, offs_d, stride_dom, sq,
+                    HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + l_off + h * stride_lh + offs_m, delta, mask=offs_m < sq)
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, q_row0, q_col, lse_ptr, delta_ptr, dq_ptr,
+    lo, hi, offs_n, offs_d, stride_qm, stride_dom, stride_dqm, sq, sk, off,
+    sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
+    dropout_p, drop_scale, seed, rng_base, rng_sk,
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Accumulate dK/dV of one KV tile over the query tiles ``[lo, hi)`` of one query head.
+
+    Works in the transposed orientation (``[BLOCK_N, BLOCK_M]`` score tiles) so dK/dV accumulate
+    with plain ``tl.dot``s."""
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for m0 in range(lo, hi, BLOCK_M):
+        m0 = tl.multiple_of(m0, BLOCK_M)
+        offs_m = m0 + offs_m0
+        q = _load_rows(q_ptr, desc_q, q_row0 + m0, q_col, offs_m, offs_d, stride_qm, sq,
+                       HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # fmt: skip
+        if MASKED:
+            lse = tl.load(lse_ptr + offs_m, mask=offs_m < sq, other=0.0)
+        else:
+            lse = tl.load(lse_ptr + offs_m)
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
+        s, t = _scores(qkT, offs_m[None, :], offs_n[:, None], off, qk_scale, cap_in, cap_out, slope2,
+                       SOFTCAP, HAS_ALIBI)  # fmt: skip
+        pT = tl.math.exp2(s - (lse * LOG2E)[None, :])
+        if MASKED:
+            # where (not a -inf score) so rows without visible keys (lse = -inf) give 0, not NaN
+            vis = _visible(offs_m[None, :], offs_n[:, None], off, sq, sk, window_left, window_right,
+                           HAS_LEFT, HAS_RIGHT, True)  # fmt: skip
+            pT = tl.where(vis, pT, 0.0)
+        do = _load_rows(do_ptr, desc_do, q_row0 + m0, q_col, offs_m, offs_d, stride_dom, sq,
+                        HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # fmt: skip
+        if DROPOUT:
+            keep = _keep(seed, rng_base, offs_m[None, :], offs_n[:, None], rng_sk, dropout_p)
+            pdT = tl.where(keep, pT * drop_scale, 0.0)
+        else:
+            pdT = pT
+        dv = tl.dot(pdT.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        if MASKED:
+            delta = tl.load(delta_ptr + offs_m, mask=offs_m < sq, other=0.0)
+        else:
+            delta = tl.load(delta_ptr + offs_m)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        if DROPOUT:
+            dpT = tl.where(keep, dpT * drop_scale, 0.0)
+        dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - t * t)
+        dsT = (dsT * sm_scale).to(q.dtype)
+        dk = tl.dot(dsT, q, dk, input_precision=DOT_PREC)
+        if ATOMIC_DQ:
+            dq_part = tl.dot(tl.trans(dsT), k, input_precision=DOT_PREC)
+            dq_ptrs = dq_ptr + offs_m[:, None] * stride_dqm + offs_d[None, :]
+            tl.atomic_add(dq_ptrs, dq_part, mask=(offs_m[:, None] < sq) & (offs_d[None, :] < HEAD_DIM),
+                          sem="relaxed")  # fmt: skip
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, ALIBI, CU_Q, CU_K, desc_q, desc_do,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh, stride_dqb, stride_dqm, stride_dqh,
+    stride_lb, stride_lh, stride_ab,
+    nheads_k, group, seqlen_q, seqlen_k,
+    sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // nheads_k
+    hk = pid_bh % nheads_k
+    q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= sk:
+        return
+    if VARLEN:
+        q_off = q_start.to(tl.int64) * stride_qm
+        do_off = q_start.to(tl.int64) * stride_dom
+        dq_off = q_start.to(tl.int64) * stride_dqm
+        l_off = q_start.to(tl.int64)
+        k_off = k_start.to(tl.int64) * stride_kn
+        v_off = k_start.to(tl.int64) * stride_vn
+        dk_off = k_start.to(tl.int64) * stride_dkn
+        dv_off = k_start.to(tl.int64) * stride_dvn
+    else:
+        q_off = b.to(tl.int64) * stride_qb
+        do_off = b.to(tl.int64) * stride_dob
+        dq_off = b.to(tl.int64) * stride_dqb
+        l_off = b.to(tl.int64) * stride_lb
+        k_off = b.to(tl.int64) * stride_kb
+        v_off = b.to(tl.int64) * stride_vb
+        dk_off = b.to(tl.int64) * stride_dkb
+        dv_off = b.to(tl.int64) * stride_dvb
+    off = sk - sq
+    nheads = nheads_k * group
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = _load_rows(K + k_off + hk * stride_kh, K, 0, 0, offs_n, offs_d, stride_kn, sk,
+                   HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
+    v = _load_rows(V + v_off + hk * stride_vh, V, 0, 0, offs_n, offs_d, stride_vn, sk,
+                   HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
+
+    # Query rows that see this KV tile: [m_lo, m_hi); fully visible query tiles: [fs, fe).
+    m_lo = 0
+    m_hi = sq
+    if HAS_RIGHT:
+        m_lo = (tl.maximum(n0 - off - window_right, 0) // BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        m_hi = tl.minimum(sq, n0 + BLOCK_N - off + window_left)
+    fs = m_lo
+    if HAS_RIGHT:
+        fs = tl.maximum(
+            m_lo, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - off - window_right, 0), BLOCK_M) * BLOCK_M
+        )
+    fe_raw = sq
+    if HAS_LEFT:
+        fe_raw = tl.minimum(sq, n0 + window_left - off + 1)
+    fe = (tl.maximum(fe_raw, 0) // BLOCK_M) * BLOCK_M
+    fe = tl.where(n0 + BLOCK_N <= sk, fe, fs)  # a tile crossing the sequence end is never mask-free
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(0, group):  # GQA: sum over the query heads of this KV head
+        h = hk * group + g
+        q_ptr = Q + q_off + h * stride_qh
+        do_ptr = DO + do_off + h * stride_doh
+        dq_ptr = DQ + dq_off + h * stride_dqh
+        lse_ptr = LSE + l_off + h * stride_lh
+        delta_ptr = DELTA + l_off + h * stride_lh
+        slope2 = 0.0
+        if HAS_ALIBI:
+            slope2 = tl.load(ALIBI + b * stride_ab + h).to(tl.float32) * LOG2E
+        rng_base = (b * nheads + h).to(tl.int64) * seqlen_q
+        if HAS_RIGHT:  # the diagonal / right-window edge
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
+                dq_ptr, m_lo, tl.minimum(fs, m_hi), offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
+                sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
+                dropout_p, drop_scale, seed, rng_base, seqlen_k,
+                True, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
+                ATOMIC_DQ, USE_TMA, DOT_PREC,
+            )  # fmt: skip
+        dk, dv = _dkdv_tiles(  # fully visible query tiles
+            dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
+            dq_ptr, fs, fe, offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
+            sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
+            dropout_p, drop_scale, seed, rng_base, seqlen_k,
+            False, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
+            ATOMIC_DQ, USE_TMA, DOT_PREC,
+        )  # fmt: skip
+        dk, dv = _dkdv_tiles(  # left-window edge / query-sequence end
+            dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
+            dq_ptr, tl.maximum(fe, fs), m_hi, offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
+            sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
+            dropout_p, drop_scale, seed, rng_base, seqlen_k,
+            True, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
+            ATOMIC_DQ, USE_TMA, DOT_PREC,
+        )  # fmt: skip
+
+    st_mask = (offs_n[:, None] < sk) & (offs_d[None, :] < HEAD_DIM)
+    dk_ptrs = DK + dk_off + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
+    dv_ptrs = DV + dv_off + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=st_mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=st_mask)
+
+
+@triton.jit
+def _dq_tiles(
+    dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, k_row0, kv_col,
+    lo, hi, offs_m, offs_d, stride_kn, stride_vn, sq, sk, off,
+    qk_scale, cap_in, cap_out, slope2, window_left, window_right,
+    dropout_p, drop_scale, seed, rng_base, rng_sk,
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Accumulate ``dS K`` of one query tile over key tiles ``[lo, hi)`` (unscaled by softmax_scale)."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for n0 in range(lo, hi, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
+        offs_n = n0 + offs_n0
+        k = _load_rows(k_ptr, desc_k, k_row0 + n0, kv_col, offs_n, offs_d, stride_kn, sk,
+                       HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # fmt: skip
+        v = _load_rows(v_ptr, desc_v, k_row0 + n0, kv_col, offs_n, offs_d, stride_vn, sk,
+                       HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # fmt: skip
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s, t = _scores(qk, offs_m[:, None], offs_n[None, :], off, qk_scale, cap_in, cap_out, slope2,
+                       SOFTCAP, HAS_ALIBI)  # fmt: skip
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASKED:
+            vis = _visible(offs_m[:, None], offs_n[None, :], off, sq, sk, window_left, window_right,
+                           HAS_LEFT, HAS_RIGHT, True)  # fmt: skip
+            p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        if DROPOUT:
+            keep = _keep(seed, rng_base, offs_m[:, None], offs_n[None, :], rng_sk, dropout_p)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, ALIBI, CU_Q, CU_K, desc_k, desc_v,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+    stride_lb, stride_lh, stride_ab,
+    nheads, group, seqlen_q, seqlen_k,
+    sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, REVERSE_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    if REVERSE_M:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    b = pid_bh // nheads
+    h = pid_bh % nheads
+    hk = h // group
+    q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
+    if VARLEN:
+        q_off = q_start.to(tl.int64) * stride_qm
+        do_off = q_start.to(tl.int64) * stride_dom
+        dq_off = q_start.to(tl.int64) * stride_dqm
+        l_off = q_start.to(tl.int64)
+        k_off = k_start.to(tl.int64) * stride_kn
+        v_off = k_start.to(tl.int64) * stride_vn
+    else:
+        q_off = b.to(tl.int64) * stride_qb
+        do_off = b.to(tl.int64) * stride_dob
+        dq_off = b.to(tl.int64) * stride_dqb
+        l_off = b.to(tl.int64) * stride_lb
+        k_off = b.to(tl.int64) * stride_kb
+        v_off = b.to(tl.int64) * stride_vb
+    off = sk - sq
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_rows(Q + q_off + h * stride_qh, Q, 0, 0, offs_m, offs_d, stride_qm, sq,
+                   HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
+    do = _load_rows(DO + do_off + h * stride_doh, DO, 0, 0, offs_m, offs_d, stride_dom, sq,
+                    HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
+    row_ok = offs_m < sq
+    lse2 = tl.load(LSE + l_off + h * stride_lh + offs_m, mask=row_ok, other=0.0) * LOG2E
+    delta = tl.load(DELTA + l_off + h * stride_lh + offs_m, mask=row_ok, other=0.0)
+    k_ptr = K + k_off + hk * stride_kh
+    v_ptr = V + v_off + hk * stride_vh
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + b * stride_ab + h).to(tl.float32) * LOG2E
+    rng_base = (b * nheads + h).to(tl.int64) * seqlen_q
+
+    lo = 0
+    hi = sk
+    if HAS_RIGHT:
+        hi = tl.minimum(sk, m0 + BLOCK_M + off + window_right)
+    if HAS_LEFT:
+        lo = (tl.maximum(m0 + off - window_left, 0) // BLOCK_N) * BLOCK_N
+    fs = lo
+    if HAS_LEFT:
+        fs = tl.maximum(lo, tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 + off - window_left, 0), BLOCK_N) * BLOCK_N)
+    fe_raw = sk
+    if HAS_RIGHT:
+        fe_raw = tl.minimum(sk, m0 + off + window_right + 1)
+    fe = (tl.maximum(fe_raw, 0) // BLOCK_N) * BLOCK_N
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_LEFT:
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, k_start, hk * HEAD_DIM,
+            lo, tl.minimum(fs, hi), offs_m, offs_d, stride_kn, stride_vn, sq, sk, off,
+            qk_scale, cap_in, cap_out, slope2, window_left, window_right,
+            dropout_p, drop_scale, seed, rng_base, seqlen_k,
+            True, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, USE_TMA,
+            DOT_PREC,
+        )  # fmt: skip
+    dq = _dq_tiles(
+        dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, k_start, hk * HEAD_DIM,
+        fs, fe, offs_m, offs_d, stride_kn, stride_vn, sq, sk, off,
+        qk_scale, cap_in, cap_out, slope2, window_left, window_right,
+        dropout_p, drop_scale, seed, rng_base, seqlen_k,
+        False, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, USE_TMA,
+        DOT_PREC,
+    )  # fmt: skip
+    dq = _dq_tiles(
+        dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, k_start, hk * HEAD_DIM,
+        tl.maximum(fe, fs), hi, offs_m, offs_d, stride_kn, stride_vn, sq, sk, off,
+        qk_scale, cap_in, cap_out, slope2, window_left, window_right,
+        dropout_p, drop_scale, seed, rng_base, seqlen_k,
+        True, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, USE_TMA,
+        DOT_PREC,
+    )  # fmt: skip
+    dq = dq * sm_scale
+    dq_ptrs = DQ + dq_off + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+def _launch_bwd(
+    prob: AttnProblem,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    cu_q: Tensor | None,
+    cu_k: Tensor | None,
+    alibi_slopes: Tensor | None,
+    seed: int,
+    cfg: BwdConfig,
+) -> None:
+    d, bd, vl = prob.head_dim, prob.block_d, prob.varlen
+    prec = dot_precision(q.dtype)
+    cq = cu_q if cu_q is not None else q
+    ck = cu_k if cu_k is not None else q
+    delta = torch.empty_like(lse)
+    stride_lb, stride_lh = lse_strides(prob, lse)
+    pre_bm = 16 if q.device.type != "cuda" else 64
+    _bwd_preprocess_kernel[(triton.cdiv(prob.seqlen_q, pre_bm), prob.batch * prob.nheads)](
+        out, dout, delta, cq, *bsh_strides(out, vl), *bsh_strides(dout, vl), stride_lb, stride_lh,
+        prob.nheads, prob.seqlen_q, HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=pre_bm, VARLEN=vl, num_warps=4,
+    )  # fmt: skip
+
+    c = launch_common(prob, alibi_slopes)
+    flags = {
+        "HEAD_DIM": d, "BLOCK_D": bd, "VARLEN": vl, "HAS_LEFT": c["HAS_LEFT"], "HAS_RIGHT": c["HAS_RIGHT"],
+        "SOFTCAP": c["SOFTCAP"], "HAS_ALIBI": c["HAS_ALIBI"], "DROPOUT": c["DROPOUT"], "DOT_PREC": prec,
+    }  # fmt: skip
+    scalars = (
+        prob.softmax_scale, c["qk_scale"], c["cap_in"], c["cap_out"], c["window_left"], c["window_right"],
+        prob.dropout_p, 1.0 / (1.0 - prob.dropout_p), seed,
+    )  # fmt: skip
+    alibi, stride_ab = alibi_args(alibi_slopes, q)
+    tma_ok = cfg.use_tma and tma_supported(q.device)
+    atomic = cfg.dq_mode == "atomic"
+    # Atomic dQ accumulates in float32; a float32 dq is its own accumulator.
+    dq_acc = (
+        (
+            dq.zero_()
+            if dq.dtype == torch.float32
+            else torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
+        )
+        if atomic
+        else dq
+    )
+
+    use_tma1 = tma_ok and tma_row_view_ok(q, vl, d) and tma_row_view_ok(dout, vl, d)
+    desc_q = make_row_descriptor(q, vl, cfg.block_m1, d) if use_tma1 else q
+    desc_do = make_row_descriptor(dout, vl, cfg.block_m1, d) if use_tma1 else dout
+    grid1 = (triton.cdiv(prob.seqlen_k, cfg.block_n1), prob.batch * prob.nheads_k)
+    _bwd_dkdv_kernel[grid1](
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, cq, ck, desc_q, desc_do,
+        *bsh_strides(q, vl), *bsh_strides(k, vl), *bsh_strides(v, vl), *bsh_strides(dout, vl),
+        *bsh_strides(dk, vl), *bsh_strides(dv, vl), *bsh_strides(dq_acc, vl), stride_lb, stride_lh, stride_ab,
+        prob.nheads_k, prob.group, prob.seqlen_q, prob.seqlen_k, *scalars,
+        BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, ATOMIC_DQ=atomic, USE_TMA=use_tma1, **flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if atomic:
+        if dq_acc is not dq:
+            dq.copy_(dq_acc)
+        return
+
+    use_tma2 = tma_ok and tma_row_view_ok(k, vl, d) and tma_row_view_ok(v, vl, d)
+    desc_k = make_row_descriptor(k, vl, cfg.block_n2, d) if use_tma2 else k
+    desc_v = make_row_descriptor(v, vl, cfg.block_n2, d) if use_tma2 else v
+    grid2 = (triton.cdiv(prob.seqlen_q, cfg.block_m2), prob.batch * prob.nheads)
+    _bwd_dq_kernel[grid2](
+        q, k, v, dout, lse, delta, dq, alibi, cq, ck, desc_k, desc_v,
+        *bsh_strides(q, vl), *bsh_strides(k, vl), *bsh_strides(v, vl), *bsh_strides(dout, vl),
+        *bsh_strides(dq, vl), stride_lb, stride_lh, stride_ab,
+        prob.nheads, prob.group, prob.seqlen_q, prob.seqlen_k, *scalars,
+        BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2, USE_TMA=use_tma2,
+        REVERSE_M=prob.window_right >= 0 and prob.window_left < 0, **flags,
+        num_warps=cfg.num_warps2, num_stages=cfg.num_stages2,
+    )  # fmt: skip
+
+
+def flash_bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    deterministic: bool = False,
+    config: BwdConfig | None = None,
+    validate: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """FlashAttention backward: gradients of ``out = attention(q, k, v)`` given ``dout``.
+
+    Args:
+        dout, out: like ``q``; ``lse``: the forward's float32 LSE (``(batch, nheads, seqlen_q)`` or
+            varlen ``(nheads, total_q)``); other arguments exactly as passed to the forward
+            (``seed`` must be the forward's dropout seed).
+        deterministic: forbid atomics (dQ by its own kernel); gradients are then bit-identical run to run.
+        config: tile configuration; default: the tuned table / autotuner.
+
+    Returns:
+        ``dq`` like q, ``dk``/``dv`` like k/v (GQA: summed over each KV head's query heads).
+    """
+    prob = check_attention_inputs(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, validate=validate,
+    )  # fmt: skip
+    for name, t in (("dout", dout), ("out", out)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(
+                f"{name} must match q: {tuple(q.shape)} {q.dtype}, got {tuple(t.shape)} {t.dtype}"
+            )
+    want_lse = prob.lse_shape(q.shape[0])
+    if not isinstance(lse, Tensor) or tuple(lse.shape) != want_lse or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be a float32 tensor of shape {want_lse}")
+    if needs_interpreter_upcast(q):
+        grads = flash_bwd(
+            dout.float(), q.float(), k.float(), v.float(), out.float(), lse, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, deterministic=deterministic,
+            config=config, validate=False,
+        )  # fmt: skip
+        return tuple(g.to(q.dtype) for g in grads)  # type: ignore[return-value]
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    if out.stride(-1) != 1:
+        out = out.contiguous()
+    lse = lse.contiguous()
+    alloc = torch.zeros if prob.varlen else torch.empty  # varlen padding rows are never written
+    dq = alloc(q.shape, dtype=q.dtype, device=q.device)
+    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
+    dv = alloc(v.shape, dtype=v.dtype, device=v.device)
+    if q.numel() == 0 or k.numel() == 0 or prob.batch == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    args = (prob, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed)
+    if config is None:
+        if autotune_enabled() and q.device.type == "cuda":
+            cands = bwd_candidates(prob.head_dim, q.device)
+            if deterministic:
+                cands = [c for c in cands if c.dq_mode == "separate"]
+            config = autotune(  # type: ignore[assignment]
+                ("bwd", deterministic, *problem_key(prob, q, alibi_slopes is not None)),
+                cands,
+                lambda cfg: _launch_bwd(*args, cfg),  # type: ignore[arg-type]
+            )
+        else:
+            config = bwd_config(prob.head_dim, q.dtype, prob.causal, q.device)
+    assert config is not None
+    if deterministic and config.dq_mode != "separate":
+        config = replace(config, dq_mode="separate")
+    _launch_bwd(*args, config)
+    return dq, dk, dv

@@ -1,0 +1,306 @@
+"""Tile configurations of the FlashAttention kernels: a tuned table per GPU, fallbacks, autotuning.
+
+A forward launch is described by :class:`FwdConfig` (``BLOCK_M`` query rows x ``BLOCK_N`` keys per
+tile, warps, pipeline stages, TMA descriptors on/off), a backward launch by :class:`BwdConfig` (the
+dK/dV kernel's ``block_m1`` x ``block_n1`` tiles, the dQ kernel's ``block_m2`` x ``block_n2`` tiles and
+whether dQ is accumulated with fp32 atomics inside the dK/dV kernel or by its own kernel).
+
+Lookup order (:func:`fwd_config`, :func:`bwd_config`):
+
+1. under the Triton interpreter: 16 x 16 tiles (fast on CPU, still several tiles per test problem);
+2. ``FLASHPAGE_AUTOTUNE=1`` on CUDA: time :func:`fwd_candidates` / :func:`bwd_candidates` once per
+   problem key (``triton.testing.do_bench``) and remember the fastest for the process;
+3. the checked-in table for this GPU family (Hopper entries measured on the H200 by
+   ``python -m flashpage.bench.attention --variants``, which prints a dict to paste here);
+4. conservative defaults (Ampere-safe tile sizes, pointer loads).
+
+Table keys are ``(padded head dim, causal)`` for 16-bit dtypes; float32 always uses small tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from flashpage.ops.backend import interpreter_enabled
+
+__all__ = [
+    "BwdConfig",
+    "FwdConfig",
+    "autotune_enabled",
+    "bwd_candidates",
+    "bwd_config",
+    "fwd_candidates",
+    "fwd_config",
+    "gpu_family",
+    "padded_head_dim",
+    "tma_supported",
+]
+
+_DQ_MODES = ("separate", "atomic")
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Forward launch parameters.
+
+    Attributes:
+        block_m: query rows per program (power of two, >= 16).
+        block_n: keys per inner-loop tile (power of two, >= 16).
+        num_warps, num_stages: Triton launch parameters.
+        use_tma: load Q/K/V tiles through TMA tensor descriptors (Hopper+, power-of-two head dim,
+            16-byte aligned strides); silently falls back to pointer loads when not possible.
+    """
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    use_tma: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            val = getattr(self, name)
+            if val < 16 or val & (val - 1):
+                raise ValueError(f"FwdConfig.{name} must be a power of two >= 16, got {val}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"FwdConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"FwdConfig.num_stages must be >= 1, got {self.num_stages}")
+
+    def short(self) -> str:
+        """Compact label used by the benchmark's variant table."""
+        return f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}{'tma' if self.use_tma else 'ptr'}"
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Backward launch parameters.
+
+    Attributes:
+        block_m1, block_n1: dK/dV kernel tiles: ``block_n1`` keys per program, ``block_m1`` query rows
+            per inner step.
+        block_m2, block_n2: dQ kernel tiles: ``block_m2`` query rows per program, ``block_n2`` keys per
+            inner step (unused with ``dq_mode="atomic"``).
+        num_warps, num_stages: dK/dV kernel launch parameters.
+        num_warps2, num_stages2: dQ kernel launch parameters.
+        dq_mode: ``"separate"`` (own kernel, no atomics, deterministic) or ``"atomic"`` (fp32 atomic
+            adds from the dK/dV kernel; faster on some shapes, not bit-reproducible).
+            ``deterministic=True`` always uses ``"separate"``.
+        use_tma: TMA descriptor loads of the streamed tiles (Q/dO in dK/dV, K/V in dQ).
+    """
+
+    block_m1: int = 32
+    block_n1: int = 64
+    block_m2: int = 64
+    block_n2: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    num_warps2: int = 4
+    num_stages2: int = 2
+    dq_mode: str = "separate"
+    use_tma: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_m1", "block_n1", "block_m2", "block_n2"):
+            val = getattr(self, name)
+            if val < 16 or val & (val - 1):
+                raise ValueError(f"BwdConfig.{name} must be a power of two >= 16, got {val}")
+        for name in ("num_warps", "num_warps2"):
+            if getattr(self, name) not in (1, 2, 4, 8, 16):
+                raise ValueError(f"BwdConfig.{name} must be 1, 2, 4, 8 or 16, got {getattr(self, name)}")
+        if self.num_stages < 1 or self.num_stages2 < 1:
+            raise ValueError("BwdConfig.num_stages / num_stages2 must be >= 1")
+        if self.dq_mode not in _DQ_MODES:
+            raise ValueError(f"BwdConfig.dq_mode must be one of {_DQ_MODES}, got {self.dq_mode!r}")
+
+    def short(self) -> str:
+        """Compact label used by the benchmark's variant table."""
+        return (
+            f"kv{self.block_m1}x{self.block_n1}w{self.num_warps}s{self.num_stages}-"
+            f"q{self.block_m2}x{self.block_n2}w{self.num_warps2}s{self.num_stages2}-"
+            f"{self.dq_mode}{'-tma' if self.use_tma else ''}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Checked-in tables. Keys: (padded head dim, causal). Hopper (sm_90: H100 / H200) entries; refresh
+# them from `python -m flashpage.bench.attention --variants` on the H200 (it prints these dicts).
+# ---------------------------------------------------------------------------------------------
+HOPPER_FWD: dict[tuple[int, bool], FwdConfig] = {
+    (32, False): FwdConfig(128, 128, 8, 3, True),
+    (32, True): FwdConfig(128, 128, 8, 3, True),
+    (64, False): FwdConfig(128, 128, 8, 3, True),
+    (64, True): FwdConfig(128, 128, 8, 3, True),
+    (128, False): FwdConfig(128, 128, 8, 3, True),
+    (128, True): FwdConfig(128, 128, 8, 3, True),
+    (256, False): FwdConfig(128, 64, 8, 2, True),
+    (256, True): FwdConfig(128, 64, 8, 2, True),
+}
+HOPPER_BWD: dict[tuple[int, bool], BwdConfig] = {
+    (32, False): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
+    (32, True): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
+    (64, False): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
+    (64, True): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
+    (128, False): BwdConfig(32, 128, 128, 64, 8, 3, 8, 2),
+    (128, True): BwdConfig(32, 128, 128, 64, 8, 3, 8, 2),
+    (256, False): BwdConfig(32, 64, 64, 32, 8, 2, 8, 2),
+    (256, True): BwdConfig(32, 64, 64, 32, 8, 2, 8, 2),
+}
+
+# Safe everywhere (sm_80+, < 100 KB shared memory, no TMA).
+_DEFAULT_FWD: dict[int, FwdConfig] = {
+    32: FwdConfig(128, 64, 4, 3),
+    64: FwdConfig(128, 64, 4, 3),
+    128: FwdConfig(128, 64, 8, 2),
+    256: FwdConfig(64, 32, 4, 2),
+}
+_DEFAULT_BWD: dict[int, BwdConfig] = {
+    32: BwdConfig(32, 128, 128, 32, 8, 2, 8, 2),
+    64: BwdConfig(32, 128, 128, 32, 8, 2, 8, 2),
+    128: BwdConfig(32, 64, 64, 32, 4, 2, 4, 2),
+    256: BwdConfig(16, 32, 32, 16, 4, 1, 4, 1),
+}
+_FP32_FWD = FwdConfig(64, 32, 4, 2)
+_FP32_BWD = BwdConfig(16, 32, 32, 16, 4, 1, 4, 1)
+_INTERP_FWD = FwdConfig(16, 16, 4, 1)
+_INTERP_BWD = BwdConfig(16, 16, 16, 16, 4, 1, 4, 1)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head-dim block: the next power of two (96 -> 128, 192 -> 256), at least 32."""
+    return max(32, 1 << (int(head_dim) - 1).bit_length())
+
+
+def autotune_enabled() -> bool:
+    """``FLASHPAGE_AUTOTUNE=1`` (read at every call) asks for per-shape autotuning on CUDA."""
+    return os.environ.get("FLASHPAGE_AUTOTUNE", "0") not in ("", "0")
+
+
+def gpu_family(device: torch.device) -> str:
+    """``"interpreter"``, ``"hopper"`` (sm_90), ``"ampere"`` (sm_8x), ``"blackwell"`` or ``"other"``."""
+    if device.type != "cuda":
+        return "interpreter"
+    major, _ = torch.cuda.get_device_capability(device)
+    return {8: "ampere", 9: "hopper", 10: "blackwell", 12: "blackwell"}.get(major, "other")
+
+
+@functools.cache
+def _has_tensor_descriptor() -> bool:
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def tma_supported(device: torch.device) -> bool:
+    """Host-side TMA descriptors can be used: triton has them and the GPU is sm_90+ (or interpreter)."""
+    if not _has_tensor_descriptor():
+        return False
+    if device.type != "cuda":
+        return interpreter_enabled()
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device) -> FwdConfig:
+    """The table (or fallback) forward config; autotuning is done by the launcher (see module doc)."""
+    fam = gpu_family(device)
+    if fam == "interpreter":
+        return _INTERP_FWD
+    if dtype == torch.float32:
+        return _FP32_FWD
+    dp = padded_head_dim(head_dim)
+    if fam in ("hopper", "blackwell"):
+        cfg = HOPPER_FWD.get((dp, causal), _DEFAULT_FWD[dp])
+        return cfg if tma_supported(device) else replace(cfg, use_tma=False)
+    return _DEFAULT_FWD[dp]
+
+
+def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device) -> BwdConfig:
+    """The table (or fallback) backward config."""
+    fam = gpu_family(device)
+    if fam == "interpreter":
+        return _INTERP_BWD
+    if dtype == torch.float32:
+        return _FP32_BWD
+    dp = padded_head_dim(head_dim)
+    if fam in ("hopper", "blackwell"):
+        cfg = HOPPER_BWD.get((dp, causal), _DEFAULT_BWD[dp])
+        return cfg if tma_supported(device) else replace(cfg, use_tma=False)
+    return _DEFAULT_BWD[dp]
+
+
+def fwd_candidates(head_dim: int, device: torch.device) -> list[FwdConfig]:
+    """Forward configs worth timing on this GPU (the autotuner's and ``--variants``' search space)."""
+    dp = padded_head_dim(head_dim)
+    tma = tma_supported(device) and dp == head_dim
+    if dp <= 64:
+        base = [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 4), (64, 64, 4, 4)]
+    elif dp <= 128:
+        base = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)]
+    else:
+        base = [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3)]
+    out = [FwdConfig(*b) for b in base]
+    if tma:
+        out += [FwdConfig(*b, use_tma=True) for b in base]
+    return out
+
+
+def bwd_candidates(head_dim: int, device: torch.device) -> list[BwdConfig]:
+    """Backward configs worth timing on this GPU."""
+    dp = padded_head_dim(head_dim)
+    tma = tma_supported(device) and dp == head_dim
+    if dp <= 64:
+        base = [
+            BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
+            BwdConfig(32, 128, 128, 32, 4, 3, 4, 3),
+            BwdConfig(64, 64, 64, 64, 4, 3, 4, 3),
+        ]
+    elif dp <= 128:
+        base = [
+            BwdConfig(32, 128, 128, 64, 8, 3, 8, 2),
+            BwdConfig(64, 128, 128, 64, 8, 2, 8, 2),
+            BwdConfig(32, 64, 64, 64, 4, 3, 4, 3),
+            BwdConfig(16, 128, 128, 32, 8, 4, 8, 3),
+        ]
+    else:
+        base = [BwdConfig(32, 64, 64, 32, 8, 2, 8, 2), BwdConfig(16, 64, 64, 16, 4, 2, 4, 2)]
+    out = list(base)
+    out += [replace(c, dq_mode="atomic") for c in base[:2]]
+    if tma:
+        out += [replace(c, use_tma=True) for c in base[:2]]
+    return out
+
+
+# One process-wide memo of autotuning results (like triton.autotune's cache): key -> index of the best
+# candidate. Only used with FLASHPAGE_AUTOTUNE=1.
+@functools.cache
+def _tuned() -> dict[tuple[object, ...], int]:
+    return {}
+
+
+def autotune(key: tuple[object, ...], candidates: list, run: Callable[[object], object]) -> object:
+    """Return the fastest of ``candidates`` for ``key`` (timed once per process with do_bench).
+
+    ``run(cfg)`` launches the kernel(s) with one config; configs that fail to compile are skipped.
+    """
+    memo = _tuned()
+    if key in memo:
+        return candidates[memo[key]]
+    from triton.testing import do_bench
+
+    best, best_ms = 0, float("inf")
+    for i, cfg in enumerate(candidates):
+        try:
+            ms = do_bench(lambda cfg=cfg: run(cfg), warmup=10, rep=30, return_mode="median")
+        except Exception:  # a config that does not compile / fit on this GPU is just not a candidate
+            continue
+        if ms < best_ms:
+            best, best_ms = i, ms
+    memo[key] = best
+    return candidates[best]

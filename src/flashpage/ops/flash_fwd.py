@@ -1,0 +1,817 @@
+"""FlashAttention forward: one fused Triton kernel (tiled QK^T, softcap, mask, ALiBi, online softmax,
+dropout, PV, LSE), its launcher, input validation, and a small kernel that materialises the
+attention probabilities for ``return_attn_probs``.
+
+Layouts (flash-attn 2.x): padded batches ``q (batch, seqlen_q, nheads, d)``, ``k/v (batch, seqlen_k,
+nheads_k, d)`` with ``lse (batch, nheads, seqlen_q)``; or packed varlen ``q (total_q, nheads, d)``,
+``k/v (total_k, nheads_k, d)`` with ``cu_seqlens_q/k`` int32 ``(batch + 1,)`` and ``lse (nheads,
+total_q)``. Query head ``h`` reads KV head ``h // (nheads // nheads_k)``. Only the last dim must be
+contiguous; all other strides are passed to the kernel.
+
+Kernel structure (grid ``(cdiv(max_seqlen_q, BLOCK_M), batch * nheads)``): a program owns ``BLOCK_M``
+query rows of one (sequence, head). Scores are computed in base 2: ``log2(e) * softmax_scale`` is
+folded into one multiply (or into the softcap's output scale), so the online softmax uses ``exp2``.
+The visible key range of the tile (bottom-right aligned causal / sliding window) is split on the host
+side of the loop into three parts: ``[lo, fs)`` tiles crossing the window's left edge (masked),
+``[fs, fe)`` tiles every row sees entirely (the hot loop: no mask arithmetic, no bounds checks) and
+``[fe, hi)`` the diagonal / right-window / sequence-end tiles (masked). Tiles wholly outside the
+window are never visited. With causal masking the programs start with the heaviest (last) row tiles.
+
+Masked rows: a query row with no visible key keeps ``m = -inf`` and ``l = 0``; it outputs zeros and
+``lse = -inf`` (the reference's definition).
+
+Dropout: element ``(b, h, i, j)`` is kept iff ``tl.rand(seed, ((b * nheads + h) * Sq + i) * Sk + j)
+>= p`` (``Sq/Sk`` = the padded or max sequence lengths), a function of the element only, so the
+forward, the backward and :func:`attention_probs` agree for any tiling. ``seed`` comes from torch's
+default generator (see :mod:`flashpage.ops.flash_attn`).
+
+TMA: with ``FwdConfig.use_tma`` (Hopper, power-of-two head dim, 16-byte aligned row strides) Q/K/V
+tiles are loaded through 2-D host tensor descriptors over the ``(rows, nheads * d)`` view; rows past a
+sequence's end read the neighbour's (finite) rows or TMA zero fill and are masked exactly like the
+pointer path's out-of-range rows. The output is always stored with masked pointer stores.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from flashpage.ops.backend import interpreter_enabled
+from flashpage.ops.flash_configs import (
+    FwdConfig,
+    autotune,
+    autotune_enabled,
+    fwd_candidates,
+    fwd_config,
+    padded_head_dim,
+    tma_supported,
+)
+
+__all__ = [
+    "AttnProblem",
+    "attention_probs",
+    "check_attention_inputs",
+    "flash_fwd",
+    "fwd_uses_tma",
+    "make_row_descriptor",
+    "tma_row_view_ok",
+]
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 32, 256
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared jit helpers (also used by the backward kernels in flash_bwd.py)
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _tanh(x):
+    """tanh via exp2: 1 - 2 / (exp(2x) + 1); exp2 overflow (inf) gives exactly +-1."""
+    e = tl.math.exp2(x * 2.8853900817779268)  # 2 * log2(e)
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
+def _scores(
+    qk, qi, kj, off, qk_scale, cap_in, cap_out, slope2, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr
+):
+    """Base-2 scores from raw dot products ``qk``; ``qi``/``kj`` broadcast to qk's shape (either
+    orientation). Returns ``(s, t)``: ``t = tanh(...)`` of the softcap (for its derivative), else qk."""
+    if SOFTCAP:
+        t = _tanh(qk * cap_in)  # cap_in = softmax_scale / softcap
+        s = t * cap_out  # cap_out = softcap * log2(e)
+    else:
+        t = qk
+        s = qk * qk_scale  # qk_scale = softmax_scale * log2(e)
+    if HAS_ALIBI:
+        s = s - slope2 * tl.abs((qi + off - kj).to(tl.float32))
+    return s, t
+
+
+@triton.jit
+def _visible(qi, kj, off, sq, sk, window_left, window_right,
+             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, CHECK_Q: tl.constexpr):  # fmt: skip
+    """True where query ``qi`` may attend key ``kj`` (bottom-right aligned, ``off = sk - sq``)."""
+    vis = kj < sk
+    if CHECK_Q:
+        vis = vis & (qi < sq)
+    if HAS_RIGHT:
+        vis = vis & (kj <= qi + off + window_right)
+    if HAS_LEFT:
+        vis = vis & (kj >= qi + off - window_left)
+    return vis
+
+
+@triton.jit
+def _keep(seed, rng_base, qi, kj, rng_sk, dropout_p):
+    """Dropout keep mask of elements (qi, kj) of one (batch, head): tiling-independent philox."""
+    idx = (rng_base + qi.to(tl.int64)) * rng_sk + kj
+    return tl.rand(seed, idx) >= dropout_p
+
+
+@triton.jit
+def _load_rows(ptr, desc, row, col, offs_r, offs_d, stride_r, r_lim,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_R: tl.constexpr, USE_TMA: tl.constexpr):  # fmt: skip
+    """A ``(len(offs_r), BLOCK_D)`` tile: TMA ``desc.load([row, col])`` or a (masked) pointer load of
+    ``ptr + offs_r * stride_r + offs_d``. Out-of-range rows / padded columns read as zero."""
+    if USE_TMA:
+        x = desc.load([row, col])
+    else:
+        ptrs = ptr + offs_r[:, None] * stride_r + offs_d[None, :]
+        if MASK_R:
+            if HEAD_DIM == BLOCK_D:
+                x = tl.load(ptrs, mask=offs_r[:, None] < r_lim, other=0.0)
+            else:
+                x = tl.load(ptrs, mask=(offs_r[:, None] < r_lim) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        else:
+            if HEAD_DIM == BLOCK_D:
+                x = tl.load(ptrs)
+            else:
+                x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return x
+
+
+@triton.jit
+def _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+    """(first row of the sequence in the row-flattened tensor, its length) for q and k."""
+    if VARLEN:
+        q_start = tl.load(CU_Q + b)
+        sq = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        sk = tl.load(CU_K + b + 1) - k_start
+    else:
+        q_start = b * seqlen_q
+        sq = seqlen_q
+        k_start = b * seqlen_k
+        sk = seqlen_k
+    return q_start, sq, k_start, sk
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward kernel
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_tiles(
+    acc, l_i, m_i, q, k_ptr, v_ptr, desc_k, desc_v, k_row0, kv_col,
+    lo, hi, offs_m, offs_d, stride_kn, stride_vn, sq, sk, off,
+    qk_scale, cap_in, cap_out, slope2, window_left, window_right,
+    dropout_p, seed, rng_base, rng_sk,
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, PLAIN_SCORES: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax over key tiles ``[lo, hi)``; ``MASKED=False`` tiles are fully visible."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for n0 in range(lo, hi, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
+        offs_n = n0 + offs_n0
+        k = _load_rows(k_ptr, desc_k, k_row0 + n0, kv_col, offs_n, offs_d, stride_kn, sk,
+                       HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # fmt: skip
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if MASKED:
+            s, _t = _scores(qk, offs_m[:, None], offs_n[None, :], off, qk_scale, cap_in, cap_out, slope2,
+                            SOFTCAP, HAS_ALIBI)  # fmt: skip
+            vis = _visible(offs_m[:, None], offs_n[None, :], off, sq, sk, window_left, window_right,
+                           HAS_LEFT, HAS_RIGHT, False)  # fmt: skip
+            s = tl.where(vis, s, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(s, 1))
+            # A row with nothing visible yet keeps m = -inf: subtract 0 instead (p = 0, no NaN).
+            m_use = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            p = tl.math.exp2(s - m_use[:, None])
+        elif PLAIN_SCORES:
+            # Hot path: scale folded into one FMA per score, row max taken before scaling.
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_use = m_ij
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+        else:
+            s, _t = _scores(qk, offs_m[:, None], offs_n[None, :], off, qk_scale, cap_in, cap_out, slope2,
+                            SOFTCAP, HAS_ALIBI)  # fmt: skip
+            m_ij = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_ij
+            p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = _load_rows(v_ptr, desc_v, k_row0 + n0, kv_col, offs_n, offs_d, stride_vn, sk,
+                       HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # fmt: skip
+        if DROPOUT:
+            keep = _keep(seed, rng_base, offs_m[:, None], offs_n[None, :], rng_sk, dropout_p)
+            p = tl.where(keep, p, 0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, desc_q, desc_k, desc_v,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh, stride_ab,
+    nheads, group, seqlen_q, seqlen_k,
+    qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, REVERSE_M: tl.constexpr,
+    PLAIN_SCORES: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    if REVERSE_M:  # causal: heaviest row tiles first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    b = pid_bh // nheads
+    h = pid_bh % nheads
+    hk = h // group
+    q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
+    if VARLEN:
+        q_off = q_start.to(tl.int64) * stride_qm
+        k_off = k_start.to(tl.int64) * stride_kn
+        v_off = k_start.to(tl.int64) * stride_vn
+        o_off = q_start.to(tl.int64) * stride_om
+        lse_off = q_start.to(tl.int64)
+    else:
+        q_off = b.to(tl.int64) * stride_qb
+        k_off = b.to(tl.int64) * stride_kb
+        v_off = b.to(tl.int64) * stride_vb
+        o_off = b.to(tl.int64) * stride_ob
+        lse_off = b.to(tl.int64) * stride_lb
+    q_ptr = Q + q_off + h * stride_qh
+    k_ptr = K + k_off + hk * stride_kh
+    v_ptr = V + v_off + hk * stride_vh
+    off = sk - sq  # query i sits at key position i + off (bottom-right alignment)
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_rows(q_ptr, desc_q, q_start + m0, h * HEAD_DIM, offs_m, offs_d, stride_qm, sq,
+                   HEAD_DIM, BLOCK_D, True, USE_TMA)  # fmt: skip
+
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + b * stride_ab + h).to(tl.float32) * LOG2E
+    rng_base = (b * nheads + h).to(tl.int64) * seqlen_q
+
+    # Visible key range [lo, hi) of this row tile and its mask-free middle [fs, fe).
+    lo = 0
+    hi = sk
+    if HAS_RIGHT:
+        hi = tl.minimum(sk, m0 + BLOCK_M + off + window_right)
+    if HAS_LEFT:
+        lo = (tl.maximum(m0 + off - window_left, 0) // BLOCK_N) * BLOCK_N
+    fs = lo
+    if HAS_LEFT:
+        fs = tl.maximum(lo, tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 + off - window_left, 0), BLOCK_N) * BLOCK_N)
+    fe_raw = sk
+    if HAS_RIGHT:
+        fe_raw = tl.minimum(sk, m0 + off + window_right + 1)
+    fe = (tl.maximum(fe_raw, 0) // BLOCK_N) * BLOCK_N
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_LEFT:  # tiles crossing the window's left edge
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_ptr, v_ptr, desc_k, desc_v, k_start, hk * HEAD_DIM,
+            lo, tl.minimum(fs, hi), offs_m, offs_d, stride_kn, stride_vn, sq, sk, off,
+            qk_scale, cap_in, cap_out, slope2, window_left, window_right, dropout_p, seed, rng_base, seqlen_k,
+            True, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, USE_TMA,
+            PLAIN_SCORES, DOT_PREC,
+        )  # fmt: skip
+    acc, l_i, m_i = _fwd_tiles(  # fully visible tiles: no masks
+        acc, l_i, m_i, q, k_ptr, v_ptr, desc_k, desc_v, k_start, hk * HEAD_DIM,
+        fs, fe, offs_m, offs_d, stride_kn, stride_vn, sq, sk, off,
+        qk_scale, cap_in, cap_out, slope2, window_left, window_right, dropout_p, seed, rng_base, seqlen_k,
+        False, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, USE_TMA,
+        PLAIN_SCORES, DOT_PREC,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_tiles(  # diagonal / right-window / sequence-end tiles
+        acc, l_i, m_i, q, k_ptr, v_ptr, desc_k, desc_v, k_start, hk * HEAD_DIM,
+        tl.maximum(fe, fs), hi, offs_m, offs_d, stride_kn, stride_vn, sq, sk, off,
+        qk_scale, cap_in, cap_out, slope2, window_left, window_right, dropout_p, seed, rng_base, seqlen_k,
+        True, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, USE_TMA,
+        PLAIN_SCORES, DOT_PREC,
+    )  # fmt: skip
+
+    # Epilogue: rows with no visible key (l = 0) output 0 and lse = -inf.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    if DROPOUT:
+        acc = acc * drop_scale
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    row_ok = offs_m < sq
+    o_ptrs = O + o_off + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    tl.store(LSE + lse_off + h * stride_lh + offs_m, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Probabilities (S_dmask) kernel: small sizes only, for return_attn_probs / tests
+# ----------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["seed"])
+def _attn_probs_kernel(
+    Q, K, LSE, P, ALIBI, CU_Q, CU_K,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_lb, stride_lh, stride_ab, stride_pb, stride_ph, stride_pm,
+    nheads, group, seqlen_q, seqlen_k,
+    qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, seed,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = pid_bh // nheads
+    h = pid_bh % nheads
+    hk = h // group
+    q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
+    if VARLEN:
+        q_off = q_start.to(tl.int64) * stride_qm
+        k_off = k_start.to(tl.int64) * stride_kn
+        lse_off = q_start.to(tl.int64)
+    else:
+        q_off = b.to(tl.int64) * stride_qb
+        k_off = b.to(tl.int64) * stride_kb
+        lse_off = b.to(tl.int64) * stride_lb
+    off = sk - sq
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_rows(Q + q_off + h * stride_qh, Q, 0, 0, offs_m, offs_d, stride_qm, sq,
+                   HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
+    k = _load_rows(K + k_off + hk * stride_kh, K, 0, 0, offs_n, offs_d, stride_kn, sk,
+                   HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
+    lse = tl.load(LSE + lse_off + h * stride_lh + offs_m, mask=offs_m < sq, other=0.0)
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + b * stride_ab + h).to(tl.float32) * LOG2E
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    s, _t = _scores(qk, offs_m[:, None], offs_n[None, :], off, qk_scale, cap_in, cap_out, slope2,
+                    SOFTCAP, HAS_ALIBI)  # fmt: skip
+    vis = _visible(offs_m[:, None], offs_n[None, :], off, sq, sk, window_left, window_right,
+                   HAS_LEFT, HAS_RIGHT, True)  # fmt: skip
+    p = tl.where(vis, tl.math.exp2(s - lse[:, None] * LOG2E), 0.0)
+    if DROPOUT:
+        rng_base = (b * nheads + h).to(tl.int64) * seqlen_q
+        keep = _keep(seed, rng_base, offs_m[:, None], offs_n[None, :], seqlen_k, dropout_p)
+        p = tl.where(keep, p, -p)  # flash-attn convention: negative (sign bit) = dropped
+    ptrs = P + b.to(tl.int64) * stride_pb + h * stride_ph + offs_m[:, None] * stride_pm + offs_n[None, :]
+    tl.store(ptrs, p, mask=(offs_m[:, None] < sq) & (offs_n[None, :] < sk))
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttnProblem:
+    """Validated, normalised description of one attention call (shared by forward and backward).
+
+    ``window_left/right`` are ``-1`` for an unbounded side; ``causal`` sets ``window_right = 0``.
+    ``seqlen_q/k`` are the padded lengths (batched) or ``max_seqlen_q/k`` (varlen).
+    """
+
+    batch: int
+    nheads: int
+    nheads_k: int
+    head_dim: int
+    seqlen_q: int
+    seqlen_k: int
+    varlen: bool
+    softmax_scale: float
+    causal: bool
+    window_left: int
+    window_right: int
+    softcap: float
+    dropout_p: float
+
+    @property
+    def group(self) -> int:
+        return self.nheads // self.nheads_k
+
+    @property
+    def block_d(self) -> int:
+        return padded_head_dim(self.head_dim)
+
+    def lse_shape(self, total_q: int) -> tuple[int, ...]:
+        return (self.nheads, total_q) if self.varlen else (self.batch, self.nheads, self.seqlen_q)
+
+
+def _check_cu(name: str, cu: Any, device: torch.device, total: int, max_len: int, validate: bool) -> int:
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"{name} must be an int32 tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be a 1-D (batch + 1,) tensor, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device}, expected {device}")
+    if cu.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous")
+    if validate:  # one host sync; the engine's hot path passes validate=False
+        vals = cu.tolist()
+        if vals[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {vals[0]}")
+        lens = [b - a for a, b in itertools.pairwise(vals)]
+        if min(lens) < 0:
+            raise ValueError(f"{name} must be monotone non-decreasing, got {vals}")
+        if vals[-1] > total:
+            raise ValueError(f"{name}[-1]={vals[-1]} exceeds the packed length {total}")
+        if max(lens) > max_len:
+            raise ValueError(f"max_seqlen for {name} is {max_len} but a sequence has {max(lens)} tokens")
+    return cu.numel() - 1
+
+
+def check_attention_inputs(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    dropout_p: float = 0.0,
+    validate: bool = True,
+    kernel_device: bool = True,
+) -> AttnProblem:
+    """Validate flash-attn style inputs and return the normalised :class:`AttnProblem`.
+
+    Varlen when ``cu_seqlens_q`` is given: ``q (total_q, nheads, d)``, ``k/v (total_k, nheads_k, d)``.
+    ``validate=False`` skips the checks that read device values (cu_seqlens monotonicity).
+    ``kernel_device=True`` also requires a device the Triton kernels can run on.
+
+    Raises:
+        TypeError: non-tensor inputs, unsupported or mismatched dtypes, non-int32 cu_seqlens.
+        ValueError: wrong ranks or shapes, nheads % nheads_k != 0, head dim outside [32, 256],
+            non-contiguous last dim, CPU tensors without ``TRITON_INTERPRET=1``, bad cu_seqlens,
+            dropout_p outside [0, 1), negative softcap, bad alibi_slopes, bad window_size.
+    """
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        want = 3 if varlen else 4
+        if t.dim() != want:
+            layout = "(total, nheads, d)" if varlen else "(batch, seqlen, nheads, d)"
+            raise ValueError(f"{name} must be {want}-D {layout}, got shape {tuple(t.shape)}")
+        if t.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has unsupported dtype {t.dtype}; use float16, bfloat16 or float32")
+        if t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must have a contiguous last dimension (stride(-1) == 1), got {t.stride()}"
+            )
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if kernel_device and q.device.type != "cuda" and not interpreter_enabled():
+        raise ValueError(
+            f"q is on {q.device}: the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before "
+            "triton is imported (or FLASHPAGE_BACKEND=torch)"
+        )
+    d = q.shape[-1]
+    if k.shape[-1] != d or v.shape[-1] != d:
+        raise ValueError(f"head dim mismatch: q {d}, k {k.shape[-1]}, v {v.shape[-1]}")
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim {d} is unsupported: must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    h, hk = q.shape[-2], k.shape[-2]
+    if hk == 0 or h % hk != 0:
+        raise ValueError(f"nheads ({h}) must be divisible by nheads_k ({hk})")
+    if varlen:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("varlen attention needs both cu_seqlens_q and cu_seqlens_k")
+        if max_seqlen_q is None or max_seqlen_k is None:
+            raise ValueError("varlen attention needs max_seqlen_q and max_seqlen_k")
+        for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                raise TypeError(f"{name} must be a non-negative int, got {val!r}")
+        batch = _check_cu("cu_seqlens_q", cu_seqlens_q, q.device, q.shape[0], max_seqlen_q, validate)
+        batch_k = _check_cu("cu_seqlens_k", cu_seqlens_k, q.device, k.shape[0], max_seqlen_k, validate)
+        if batch_k != batch:
+            raise ValueError(f"cu_seqlens_q has {batch} sequences but cu_seqlens_k has {batch_k}")
+        sq, sk = max_seqlen_q, max_seqlen_k
+    else:
+        batch, sq = q.shape[0], q.shape[1]
+        if k.shape[0] != batch:
+            raise ValueError(f"batch mismatch: q has {batch}, k/v have {k.shape[0]}")
+        sk = k.shape[1]
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if not isinstance(softcap, (int, float)) or softcap < 0:
+        raise ValueError(f"softcap must be a float >= 0, got {softcap!r}")
+    if len(window_size) != 2 or not all(isinstance(w, int) for w in window_size):
+        raise ValueError(f"window_size must be a pair of ints (-1 = unbounded), got {window_size!r}")
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, Tensor):
+            raise TypeError(f"alibi_slopes must be a tensor, got {type(alibi_slopes).__name__}")
+        if alibi_slopes.dtype != torch.float32:
+            raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+        if tuple(alibi_slopes.shape) not in ((h,), (batch, h)):
+            raise ValueError(
+                f"alibi_slopes must be ({h},) or ({batch}, {h}), got {tuple(alibi_slopes.shape)}"
+            )
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, expected {q.device}")
+    # In-sequence offsets (row * row stride) are int32 in the kernels; the sequence base is int64.
+    for name, t, n in (("q", q, sq), ("k", k, sk), ("v", v, sk)):
+        row_stride = t.stride(0) if varlen else t.stride(1)
+        if n * row_stride >= 2**31:
+            raise ValueError(f"{name}: one sequence spans {n} x {row_stride} elements (>= 2^31); split it")
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+    left, right = window_size
+    left = left if left >= 0 else -1
+    right = 0 if causal else (right if right >= 0 else -1)
+    return AttnProblem(
+        batch=batch, nheads=h, nheads_k=hk, head_dim=d, seqlen_q=sq, seqlen_k=sk, varlen=varlen,
+        softmax_scale=scale, causal=bool(causal), window_left=left, window_right=right,
+        softcap=float(softcap), dropout_p=float(dropout_p),
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch helpers
+# ----------------------------------------------------------------------------------------------
+def _rows_view(t: Tensor, varlen: bool) -> tuple[int, int]:
+    """(number of rows, row stride) of ``t`` seen as a ``(rows, nheads * d)`` matrix."""
+    if varlen:
+        return t.shape[0], t.stride(0)
+    return t.shape[0] * t.shape[1], t.stride(1)
+
+
+def tma_row_view_ok(t: Tensor, varlen: bool, head_dim: int) -> bool:
+    """Can ``t`` be read through a 2-D ``(rows, nheads * d)`` TMA descriptor with ``[rows, d]`` boxes?"""
+    if padded_head_dim(head_dim) != head_dim or t.numel() == 0:
+        return False
+    if t.stride(-2) != head_dim and t.shape[-2] > 1:
+        return False
+    rows, row_stride = _rows_view(t, varlen)
+    if not varlen and t.shape[0] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
+        return False
+    elem = t.element_size()
+    return rows > 0 and (row_stride * elem) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def make_row_descriptor(t: Tensor, varlen: bool, block_rows: int, head_dim: int) -> Any:
+    """2-D TMA descriptor over ``t`` as ``(rows, nheads * d)`` with ``[block_rows, d]`` boxes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows, row_stride = _rows_view(t, varlen)
+    # Positional arguments: the constructor's keyword set differs between triton 3.6 and 3.9.
+    return TensorDescriptor(t, [rows, t.shape[-2] * head_dim], [row_stride, 1], [block_rows, head_dim])
+
+
+def needs_interpreter_upcast(t: Tensor) -> bool:
+    """The Triton interpreter (3.9) computes ``tl.dot`` on bfloat16 operands wrongly (it sees their
+    uint16 storage); on CPU, bfloat16 inputs are therefore run in float32 and cast back."""
+    return t.device.type != "cuda" and t.dtype == torch.bfloat16
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs use IEEE dots (reference-grade accuracy); 16-bit inputs ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_common(prob: AttnProblem, alibi_slopes: Tensor | None) -> dict[str, Any]:
+    """Scalar kernel arguments shared by the forward, probs and backward kernels."""
+    log2e = 1.4426950408889634
+    cap = prob.softcap
+    return {
+        "qk_scale": prob.softmax_scale * log2e,
+        "cap_in": prob.softmax_scale / cap if cap > 0 else 0.0,
+        "cap_out": cap * log2e,
+        "window_left": max(prob.window_left, 0),
+        "window_right": max(prob.window_right, 0),
+        "HAS_LEFT": prob.window_left >= 0,
+        "HAS_RIGHT": prob.window_right >= 0,
+        "SOFTCAP": cap > 0,
+        "HAS_ALIBI": alibi_slopes is not None,
+        "DROPOUT": prob.dropout_p > 0,
+    }
+
+
+def alibi_args(alibi_slopes: Tensor | None, dummy: Tensor) -> tuple[Tensor, int]:
+    """(pointer, batch stride) of the slopes: ``(nheads,)`` broadcasts over the batch (stride 0)."""
+    if alibi_slopes is None:
+        return dummy, 0
+    a = alibi_slopes.contiguous()
+    return a, (a.stride(0) if a.dim() == 2 else 0)
+
+
+def lse_strides(prob: AttnProblem, lse: Tensor) -> tuple[int, int]:
+    """(batch stride, head stride) of the LSE / delta buffers (varlen: batch stride unused)."""
+    if prob.varlen:
+        return 0, lse.stride(0)
+    return lse.stride(0), lse.stride(1)
+
+
+def bsh_strides(t: Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, row, head) strides of a (batch, seq, heads, d) or packed (total, heads, d) tensor."""
+    if varlen:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def fwd_uses_tma(cfg: FwdConfig, prob: AttnProblem, q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether a forward launch with ``cfg`` takes the TMA-descriptor path (else pointer loads)."""
+    return (
+        cfg.use_tma
+        and tma_supported(q.device)
+        and all(tma_row_view_ok(t, prob.varlen, prob.head_dim) for t in (q, k, v))
+    )
+
+
+def _launch_fwd(
+    prob: AttnProblem,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_q: Tensor | None,
+    cu_k: Tensor | None,
+    alibi_slopes: Tensor | None,
+    seed: int,
+    cfg: FwdConfig,
+) -> None:
+    d = prob.head_dim
+    use_tma = fwd_uses_tma(cfg, prob, q, k, v)
+    if use_tma:
+        desc_q = make_row_descriptor(q, prob.varlen, cfg.block_m, d)
+        desc_k = make_row_descriptor(k, prob.varlen, cfg.block_n, d)
+        desc_v = make_row_descriptor(v, prob.varlen, cfg.block_n, d)
+    else:
+        desc_q, desc_k, desc_v = q, k, v
+    alibi, stride_ab = alibi_args(alibi_slopes, q)
+    stride_lb, stride_lh = lse_strides(prob, lse)
+    common = launch_common(prob, alibi_slopes)
+    grid = (triton.cdiv(prob.seqlen_q, cfg.block_m), prob.batch * prob.nheads)
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse, alibi, cu_q if cu_q is not None else q, cu_k if cu_k is not None else q,
+        desc_q, desc_k, desc_v,
+        *bsh_strides(q, prob.varlen), *bsh_strides(k, prob.varlen), *bsh_strides(v, prob.varlen),
+        *bsh_strides(out, prob.varlen), stride_lb, stride_lh, stride_ab,
+        prob.nheads, prob.group, prob.seqlen_q, prob.seqlen_k,
+        common["qk_scale"], common["cap_in"], common["cap_out"], common["window_left"],
+        common["window_right"], prob.dropout_p, 1.0 / (1.0 - prob.dropout_p), seed,
+        HEAD_DIM=d, BLOCK_D=prob.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        VARLEN=prob.varlen, HAS_LEFT=common["HAS_LEFT"], HAS_RIGHT=common["HAS_RIGHT"],
+        SOFTCAP=common["SOFTCAP"], HAS_ALIBI=common["HAS_ALIBI"], DROPOUT=common["DROPOUT"],
+        USE_TMA=use_tma, REVERSE_M=prob.window_right >= 0 and prob.window_left < 0,
+        PLAIN_SCORES=prob.softmax_scale > 0 and not common["SOFTCAP"] and alibi_slopes is None,
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def problem_key(prob: AttnProblem, q: Tensor, alibi: bool) -> tuple[object, ...]:
+    """Autotuning key: everything that changes the compiled kernel or its best tile shape."""
+    return (
+        torch.cuda.get_device_name(q.device) if q.device.type == "cuda" else "cpu",
+        q.dtype, prob.head_dim, prob.group, prob.varlen, prob.causal, prob.window_left >= 0,
+        prob.window_right >= 0, prob.softcap > 0, alibi, prob.dropout_p > 0,
+        _bucket(prob.seqlen_q), _bucket(prob.seqlen_k),
+    )  # fmt: skip
+
+
+def flash_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    config: FwdConfig | None = None,
+    validate: bool = True,
+    out: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """FlashAttention forward (no autograd).
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, d)`` or packed ``(total_q, nheads, d)`` with cu_seqlens.
+        k, v: ``(batch, seqlen_k, nheads_k, d)`` or ``(total_k, nheads_k, d)``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` prefix sums (varlen only).
+        seed: philox seed of the dropout mask (used when ``dropout_p > 0``).
+        config: tile configuration; default: the tuned table / autotuner (flash_configs).
+        validate: run the host-sync checks of cu_seqlens values.
+        out: optional preallocated output like ``q``.
+
+    Returns:
+        ``out`` like ``q`` and ``lse`` float32 (natural log, ``-inf`` for rows with no visible key):
+        ``(batch, nheads, seqlen_q)`` or varlen ``(nheads, total_q)``.
+    """
+    prob = check_attention_inputs(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, validate=validate,
+    )  # fmt: skip
+    if needs_interpreter_upcast(q):
+        o32, lse = flash_fwd(
+            q.float(), k.float(), v.float(), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+            seed=seed, config=config, validate=False,
+        )  # fmt: skip
+        if out is None:
+            return o32.to(q.dtype), lse
+        return out.copy_(o32), lse
+    if out is None:
+        out = q.new_empty(q.shape)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be a {tuple(q.shape)} {q.dtype} tensor with stride(-1) == 1")
+    lse = torch.empty(prob.lse_shape(q.shape[0]), dtype=torch.float32, device=q.device)
+    if q.numel() == 0 or prob.batch == 0 or prob.seqlen_q == 0:
+        lse.fill_(float("-inf"))
+        out.zero_()
+        return out, lse
+    if prob.varlen:
+        # Rows of packed tensors beyond cu_seqlens[-1] (padding) are not written by the kernel.
+        lse.fill_(float("-inf"))
+    args = (prob, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed)
+    if config is None:
+        if autotune_enabled() and q.device.type == "cuda":
+            config = autotune(  # type: ignore[assignment]
+                ("fwd", *problem_key(prob, q, alibi_slopes is not None)),
+                fwd_candidates(prob.head_dim, q.device),
+                lambda cfg: _launch_fwd(*args, cfg),  # type: ignore[arg-type]
+            )
+        else:
+            config = fwd_config(prob.head_dim, q.dtype, prob.causal, q.device)
+    assert config is not None
+    _launch_fwd(*args, config)
+    return out, lse
+
+
+def attention_probs(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    prob: AttnProblem,
+    *,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    seed: int = 0,
+) -> Tensor:
+    """Materialise the attention probabilities of a finished forward (``S_dmask``; small sizes only).
+
+    Returns ``(batch, nheads, seqlen_q, seqlen_k)`` float32 (varlen: ``max_seqlen_q/k``, zero padded):
+    ``P = exp(scores - lse)`` (0 where masked). With dropout the dropout pattern is encoded in the sign
+    as in flash-attn: entries whose sign bit is set (``torch.signbit``, ``-P`` incl. ``-0.0``) were
+    dropped, the others kept; the kept probabilities before the ``1/(1-p)`` scaling are ``P.clamp(min=0)``.
+    """
+    if needs_interpreter_upcast(q):
+        q, k = q.float(), k.float()
+    p_out = torch.zeros(
+        prob.batch, prob.nheads, prob.seqlen_q, prob.seqlen_k, dtype=torch.float32, device=q.device
+    )
+    if p_out.numel() == 0:
+        return p_out
+    bm, bn = (16, 16) if interpreter_enabled() and q.device.type != "cuda" else (32, 32)
+    alibi, stride_ab = alibi_args(alibi_slopes, q)
+    stride_lb, stride_lh = lse_strides(prob, lse)
+    c = launch_common(prob, alibi_slopes)
+    grid = (triton.cdiv(prob.seqlen_q, bm), triton.cdiv(prob.seqlen_k, bn), prob.batch * prob.nheads)
+    qs, ks = bsh_strides(q, prob.varlen), bsh_strides(k, prob.varlen)
+    _attn_probs_kernel[grid](
+        q, k, lse, p_out, alibi, cu_seqlens_q if cu_seqlens_q is not None else q,
+        cu_seqlens_k if cu_seqlens_k is not None else q,
+        *qs, *ks, stride_lb, stride_lh, stride_ab, p_out.stride(0), p_out.stride(1), p_out.stride(2),
+        prob.nheads, prob.group, prob.seqlen_q, prob.seqlen_k,
+        c["qk_scale"], c["cap_in"], c["cap_out"], c["window_left"], c["window_right"], prob.dropout_p, seed,
+        HEAD_DIM=prob.head_dim, BLOCK_D=prob.block_d, BLOCK_M=bm, BLOCK_N=bn, VARLEN=prob.varlen,
+        HAS_LEFT=c["HAS_LEFT"], HAS_RIGHT=c["HAS_RIGHT"], SOFTCAP=c["SOFTCAP"], HAS_ALIBI=c["HAS_ALIBI"],
+        DROPOUT=c["DROPOUT"], DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=1,
+    )  # fmt: skip
+    return p_out

@@ -1,0 +1,179 @@
+"""Public API (flashpage.ops.flash_attn): flash-attn 2.x signatures, backends, autograd, dropout,
+determinism, varlen, torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from flashpage.ops.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_varlen_fwd
+from flashpage.ops.reference import attention_ref, varlen_attention_ref, visible_mask
+from tests.ops.test_flash_fwd import make_qkv, make_varlen, on_device  # noqa: F401 (fixture)
+from tests.tolerance import assert_close_to_ref
+
+
+@pytest.fixture
+def triton_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASHPAGE_BACKEND", "triton")
+
+
+def close(out: Tensor, ref: Tensor, atol: float | None = None) -> None:
+    """Tolerance rule with the fp32 reference as its own same-precision baseline (fp32 inputs)."""
+    assert_close_to_ref(out.detach(), ref.detach(), ref.detach(), atol=atol)
+
+
+def _grads(out: Tensor, do: Tensor, *ts: Tensor) -> tuple[Tensor, ...]:
+    return torch.autograd.grad(out, ts, do)
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_func_forward_backward_gqa_alibi_softcap() -> None:
+    q, k, v = make_qkv(2, 19, 26, 4, 2, 32, grad=True)
+    alibi = torch.rand(2, 4) * 0.4
+    kw = {"causal": True, "softcap": 3.0, "alibi_slopes": alibi, "softmax_scale": 0.2}
+    out = flash_attn_func(q, k, v, **kw)
+    assert isinstance(out, Tensor) and out.shape == q.shape
+    do = torch.randn_like(out)
+    g = _grads(out, do, q, k, v)
+    ref = attention_ref(q, k, v, **kw)[0]  # type: ignore[arg-type]
+    rg = _grads(ref, do, q, k, v)
+    close(out, ref)
+    for a, r in zip(g, rg):
+        close(a, r)
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_return_attn_probs_shapes_and_lse() -> None:
+    q, k, v = make_qkv(1, 13, 21, 2, 1, 32)
+    out, lse, s = flash_attn_func(q, k, v, window_size=(3, 5), return_attn_probs=True)
+    ref, ref_lse, ref_p = attention_ref(q, k, v, window_size=(3, 5), return_probs=True)
+    assert lse.shape == (1, 2, 13) and lse.dtype == torch.float32
+    assert s.shape == (1, 2, 13, 21) and s.dtype == torch.float32
+    assert torch.allclose(lse, ref_lse, atol=2e-5)
+    assert torch.allclose(s, ref_p, atol=1e-5)
+    close(out, ref)
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_dropout_statistics_scaling_and_reproducibility() -> None:
+    q, k, v = make_qkv(1, 40, 40, 4, 4, 32, grad=True)
+    p = 0.3
+    torch.manual_seed(123)
+    out, _, s = flash_attn_func(q, k, v, dropout_p=p, causal=True, return_attn_probs=True)
+    keep = ~torch.signbit(s)
+    vis = visible_mask(40, 40, causal=True)
+    frac = keep[..., vis].float().mean().item()  # 4 heads x 820 visible entries
+    assert abs(frac - (1 - p)) < 0.04, frac
+    # the output is the reference with exactly this mask, scaled by 1/(1-p)
+    ref = attention_ref(q, k, v, causal=True, dropout_p=p, dropout_mask=keep)[0]
+    close(out, ref)
+    do = torch.randn_like(out)
+    g = _grads(out, do, q, k, v)
+    for a, r in zip(g, _grads(ref, do, q, k, v)):
+        close(a, r)
+    torch.manual_seed(123)
+    again = flash_attn_func(q, k, v, dropout_p=p, causal=True)
+    assert torch.equal(out, again)
+    other = flash_attn_func(q, k, v, dropout_p=p, causal=True)  # generator moved on: new mask
+    assert not torch.equal(out, other)
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_deterministic_gradients_bit_identical() -> None:
+    q, k, v = make_qkv(1, 30, 30, 8, 1, 32, grad=True)
+    do = torch.randn(1, 30, 8, 32)
+    g1 = _grads(flash_attn_func(q, k, v, causal=True, deterministic=True), do, q, k, v)  # type: ignore[arg-type]
+    g2 = _grads(flash_attn_func(q, k, v, causal=True, deterministic=True), do, q, k, v)  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_varlen_func_forward_backward_and_probs() -> None:
+    q, k, v, cq, ck = make_varlen([6, 1, 0, 17], [6, 9, 3, 17], 4, 2, 32)
+    for t in (q, k, v):
+        t.requires_grad_()
+    out, lse, s = flash_attn_varlen_func(q, k, v, cq, ck, 17, 17, causal=True, return_attn_probs=True)
+    ref, ref_lse = varlen_attention_ref(q, k, v, cq, ck, causal=True)
+    assert lse.shape == (4, q.shape[0]) and s.shape == (4, 4, 17, 17)
+    close(out, ref)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    do = torch.randn_like(out)
+    for a, r in zip(_grads(out, do, q, k, v), _grads(ref, do, q, k, v)):
+        close(a, r)
+    with pytest.raises(ValueError, match="block_table"):
+        flash_attn_varlen_func(q, k, v, cq, ck, 17, 17, block_table=torch.zeros(4, 1, dtype=torch.int32))
+
+
+def test_torch_backend_matches_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v = make_qkv(1, 18, 23, 4, 2, 32, grad=True)
+    do = torch.randn(1, 18, 4, 32)
+    res = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("FLASHPAGE_BACKEND", backend)
+        out = flash_attn_func(q, k, v, causal=True, window_size=(6, -1))
+        res[backend] = (out, *_grads(out, do, q, k, v))  # type: ignore[arg-type]
+    for a, b in zip(res["triton"], res["torch"]):
+        close(a, b)
+    # the torch backend's varlen path and dropout encoding
+    monkeypatch.setenv("FLASHPAGE_BACKEND", "torch")
+    qv, kv, vv, cq, ck = make_varlen([5, 0, 9], [7, 2, 9], 2, 1, 32, pad=1)
+    out, _lse, s = flash_attn_varlen_func(qv, kv, vv, cq, ck, 9, 9, dropout_p=0.5, return_attn_probs=True)
+    keep = [~torch.signbit(s[i, :, :n_q, :n_k]) for i, (n_q, n_k) in enumerate([(5, 7), (0, 2), (9, 9)])]
+    ref, _ = varlen_attention_ref(qv, kv, vv, cq, ck, dropout_p=0.5, dropout_mask=keep)
+    assert torch.allclose(out, ref, atol=1e-5) and out.shape == qv.shape
+
+
+def test_auto_backend_and_cpu_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v = (t.cpu() for t in make_qkv(1, 8, 8, 2, 2, 32))
+    monkeypatch.setenv("FLASHPAGE_BACKEND", "auto")  # CPU tensors -> torch reference path
+    out = flash_attn_func(q, k, v)
+    assert torch.allclose(out, attention_ref(q, k, v)[0], atol=1e-6)  # type: ignore[arg-type]
+    monkeypatch.setenv("FLASHPAGE_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        flash_attn_func(q, k, v)
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_api_validation_errors() -> None:
+    q, k, v = make_qkv(1, 8, 8, 4, 2, 32)
+    with pytest.raises(ValueError, match="dropout_p"):
+        flash_attn_func(q, k, v, dropout_p=1.5)
+    with pytest.raises(ValueError, match="divisible"):
+        flash_attn_func(q[:, :, :3], k, v)
+    with pytest.raises(TypeError, match="int32"):
+        flash_attn_varlen_func(q[0], k[0], v[0], torch.tensor([0, 8]), torch.tensor([0, 8]), 8, 8)
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_varlen_fwd_engine_entry() -> None:
+    q, k, v, cq, ck = make_varlen([4, 11, 1], [4, 11, 1], 4, 2, 32)
+    out, lse = flash_attn_varlen_fwd(q, k, v, cq, ck, 11, 11, None, True, (-1, -1), 0.0, None, validate=False)
+    ref, ref_lse = varlen_attention_ref(q, k, v, cq, ck, causal=True)
+    close(out, ref)
+    assert torch.allclose(lse, ref_lse, atol=2e-5)
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_torch_compile_fullgraph_with_autograd() -> None:
+    q, k, v = make_qkv(1, 16, 16, 2, 1, 32, grad=True)
+
+    def loss_fn(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return flash_attn_func(q, k, v, causal=True).square().sum()  # type: ignore[union-attr]
+
+    compiled = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)
+    g = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    rg = torch.autograd.grad(attention_ref(q, k, v, causal=True)[0].square().sum(), (q, k, v))
+    for a, r in zip(g, rg):
+        close(a, r, atol=1e-4)
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_custom_op_opcheck() -> None:
+    q, k, v = make_qkv(1, 16, 16, 2, 1, 32, grad=True)
+    args = (q, k, v, None, None, 0, 0, 0.0, 0.25, True, -1, -1, 0.0, None, False, False)
+    torch.library.opcheck(
+        torch.ops.flashpage.flash_attn_forward.default, args,
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )  # fmt: skip
