@@ -156,7 +156,7 @@ def _triton_attention(
         if flash_varlen is not None:
             out, _ = flash_varlen(
                 q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q, meta.max_seqlen_q,
-                softmax_scale, True, window_size, softcap, None,
+                softmax_scale, True, window_size, softcap, None, validate=False,
             )  # fmt: skip
             return out
     out = paged_prefill(
