@@ -1,0 +1,29 @@
+"""The inference engine: continuous batching over a paged KV cache (vLLM-style API).
+
+* :class:`~flashpage.engine.llm.LLM` — offline ``generate`` / ``chat`` / ``stats``.
+* :class:`~flashpage.engine.engine_core.EngineCore` — ``add_request`` / ``abort_request`` /
+  ``step()`` returning incremental outputs (what the server drives).
+* :class:`~flashpage.engine.sampling_params.SamplingParams`, :class:`~flashpage.engine.outputs.RequestOutput`,
+  :class:`~flashpage.engine.outputs.CompletionOutput`.
+
+Layout: ``scheduler.py`` (continuous batching, chunked prefill, preemption), ``model_runner.py``
+(batch flattening, roofline plan, CUDA graphs, KV cache sizing), ``sampler.py`` (on-device sampling),
+``sequence.py`` (state), ``detokenizer.py`` (incremental text, stop strings).
+"""
+
+from __future__ import annotations
+
+from flashpage.engine.engine_core import EngineConfig, EngineCore
+from flashpage.engine.llm import LLM
+from flashpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from flashpage.engine.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineCore",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+]
