@@ -104,13 +104,21 @@ def test_probe_quick_cpu_writes_loadable_profile(tmp_path: Path, capsys: pytest.
     assert prof.name == "cpu" and prof.peak("fp32") > 0 and prof.hbm_bandwidth > 0
 
 
-def test_demo_falls_back_to_roofline_without_engine(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setitem(sys.modules, "flashpage.engine.demo", None)  # import of it raises ImportError
-    assert main(["demo"]) == 0
-    out = capsys.readouterr().out
-    assert "not available yet" in out and "roofline: model smollm2-135m" in out and "flash_fwd" in out
+def test_bench_table_rebuilds_readme_from_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from flashpage.bench.common import refresh_readme_table, write_results
+
+    env = {"gpu": "cpu", "torch": "t", "triton": "x", "date": "d", "git_commit": "c"}
+    rows = [{"bench": "toy", "impl": "flashpage", "ms": 1.5, "extra": 7}]
+    path = write_results("toy", rows, env, table_columns=["impl", "ms"], out_dir=tmp_path, note="a note")
+    readme = tmp_path / "README.md"
+    readme.write_text("# B\n\n<!-- bench:toy-cpu -->\nold\n<!-- /bench:toy-cpu -->\nkept\n")
+    refresh_readme_table(path, readme)
+    text = readme.read_text()
+    assert "old" not in text and "kept" in text and "a note" in text
+    assert "| impl | ms |" in text and "| flashpage | 1.5 |" in text and "extra" not in text
+    assert main(["bench", "table"]) == 2
+    assert main(["bench", "table", str(tmp_path / "missing.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
 
 
 def test_demo_and_bench_forward_their_arguments(

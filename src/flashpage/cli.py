@@ -9,10 +9,12 @@ Every subcommand imports its machinery inside its handler, so ``flashpage --help
   on the spot), batch 8, seq 4096, chunk 512, dtype bfloat16.
 - ``flashpage probe [--out FILE] [--quick]``: measure this device and write a profile JSON that
   ``--hardware FILE`` and ``load_profile`` accept (stdout without ``--out``).
-- ``flashpage demo [ARGS...]``: the inference demo ``flashpage.engine.demo.main(ARGS)``; until the
-  engine exists, the roofline report of the default model.
+- ``flashpage demo [ARGS...]``: the inference demo ``flashpage.engine.demo.main(ARGS)`` on the
+  embedded model (``--help`` lists its options).
 - ``flashpage bench {attention,decode,throughput,all} [--out DIR] [--quick] [ARGS...]``: runs
   ``flashpage.bench.<name>.main(argv)`` with the remaining arguments.
+- ``flashpage bench table FILE.json...``: rebuild the ``benchmarks/README.md`` table of result files
+  (e.g. JSON a GPU run wrote under ``--out``).
 
 Exit status: 0 on success, 2 on bad input (the message says what is wrong), 1 when a benchmark fails
 or is missing.
@@ -91,9 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser(
         "demo",
-        help="run the inference demo (for now: the roofline report)",
-        description="Run flashpage.engine.demo with the remaining arguments; until the engine exists, print "
-        "the roofline report of the default model.",
+        help="run the inference demo on the embedded model",
+        description="Run flashpage.engine.demo with the remaining arguments (see flashpage demo --help).",
     )
     d.set_defaults(forward=True)
 
@@ -102,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a benchmark (GPU)",
         description="Run flashpage.bench.<name>.main(argv); remaining arguments are forwarded.",
     )
-    b.add_argument("which", choices=[*BENCHES, "all"], help="benchmark to run")
+    b.add_argument(
+        "which", choices=[*BENCHES, "all", "table"], help="benchmark to run (table: rebuild README tables)"
+    )
     b.add_argument("--out", metavar="DIR", default=None, help="results directory (forwarded)")
     b.add_argument("--quick", action="store_true", help="small sweep (forwarded)")
     b.set_defaults(forward=True)
@@ -142,17 +145,8 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(extra: list[str]) -> int:
-    try:
-        from flashpage.engine.demo import main as demo_main
-    except ImportError as e:
-        print(
-            f"flashpage demo: the inference engine is not available yet ({e}); "
-            "showing the roofline report of the default model instead.\n",
-            flush=True,
-        )
-        if extra:
-            print(f"(ignoring demo arguments {' '.join(extra)})\n", flush=True)
-        return main(["roofline"])
+    from flashpage.engine.demo import main as demo_main
+
     rc = demo_main(extra)
     return int(rc or 0)
 
@@ -160,6 +154,20 @@ def _cmd_demo(extra: list[str]) -> int:
 def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
     import importlib
 
+    if args.which == "table":
+        from pathlib import Path
+
+        from flashpage.bench.common import refresh_readme_table
+
+        if not extra:
+            print("flashpage bench table: give one or more result JSON files", file=sys.stderr)
+            return 2
+        for f in extra:
+            if not Path(f).is_file():
+                print(f"flashpage bench table: no such file {f}", file=sys.stderr)
+                return 2
+            print(f"{f} -> {refresh_readme_table(Path(f))}")
+        return 0
     fwd = [*(["--out", args.out] if args.out else []), *(["--quick"] if args.quick else []), *extra]
     names = BENCHES if args.which == "all" else (args.which,)
     rc = 0

@@ -90,30 +90,52 @@ def write_results(
 ) -> Path:
     """Write the result JSON and refresh the benchmark's table in ``benchmarks/README.md``.
 
+    The table's columns and note are kept in ``env`` (``table_columns``, ``note``) so the table can be
+    rebuilt from the JSON alone (:func:`refresh_readme_table`, ``flashpage bench table FILE``), e.g.
+    after a GPU run wrote its JSON somewhere else. With ``out_dir`` set the README is left alone.
+
     Returns the path of the JSON file.
     """
     root = repo_root()
-    out_dir = out_dir or root / "benchmarks" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    slug = gpu_slug()
-    path = out_dir / f"{bench}-{slug}.json"
-    path.write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
+    env = dict(env)
+    if note:
+        env["note"] = note
     if table_columns:
-        readme = root / "benchmarks" / "README.md"
-        readme.parent.mkdir(parents=True, exist_ok=True)
-        text = readme.read_text() if readme.exists() else "# Benchmarks\n"
-        start, end = f"<!-- bench:{bench}-{slug} -->", f"<!-- /bench:{bench}-{slug} -->"
-        body = (
-            f"{start}\n### {bench} on {env.get('gpu')} (torch {env.get('torch')}, triton {env.get('triton')}, "
-            f"{env.get('date')}, commit {env.get('git_commit')})\n\n{note}\n\n"
-            f"{markdown_table(rows, table_columns)}{end}"
-        )
-        if start in text and end in text:
-            text = text[: text.index(start)] + body + text[text.index(end) + len(end) :]
-        else:
-            text = text.rstrip() + "\n\n" + body + "\n"
-        readme.write_text(text)
+        env["table_columns"] = list(table_columns)
+    path = (out_dir or root / "benchmarks" / "results") / f"{bench}-{gpu_slug()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
+    if table_columns and out_dir is None:
+        refresh_readme_table(path)
     return path
+
+
+def refresh_readme_table(result_json: Path, readme: Path | None = None) -> Path:
+    """Rewrite the table of ``result_json`` (``<bench>-<gpu>.json``) in ``benchmarks/README.md``.
+
+    The table sits between ``<!-- bench:<bench>-<gpu> -->`` markers (appended when missing); its
+    columns come from ``env["table_columns"]`` (default: every key of the first row).
+    """
+    data = json.loads(Path(result_json).read_text())
+    env, rows = data["env"], data["rows"]
+    name = Path(result_json).stem
+    bench = name.rsplit("-", 1)[0]
+    columns = env.get("table_columns") or (list(rows[0]) if rows else [])
+    readme = readme or repo_root() / "benchmarks" / "README.md"
+    readme.parent.mkdir(parents=True, exist_ok=True)
+    text = readme.read_text() if readme.exists() else "# Benchmarks\n"
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    body = (
+        f"{start}\n### {bench} on {env.get('gpu')} (torch {env.get('torch')}, triton {env.get('triton')}, "
+        f"{env.get('date')}, commit {env.get('git_commit')})\n\n{env.get('note', '')}\n\n"
+        f"{markdown_table(rows, columns)}{end}"
+    )
+    if start in text and end in text:
+        text = text[: text.index(start)] + body + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip() + "\n\n" + body + "\n"
+    readme.write_text(text)
+    return readme
 
 
 def do_bench_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
