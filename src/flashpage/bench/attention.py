@@ -20,8 +20,9 @@ the exit status 1).
 
 ``--variants`` also times every tile configuration of ``flashpage.ops.flash_configs.fwd_candidates``
 / ``bwd_candidates`` (TMA on / off, dQ atomic / separate) directly through ``flash_fwd`` /
-``flash_bwd`` at the longest sequence of the sweep and prints the best per (head dim, causal) as the
-``HOPPER_FWD`` / ``HOPPER_BWD`` dicts to paste into flash_configs.py.
+``flash_bwd`` at every shape of the sweep and prints the best per (head dim, causal, seqlen bucket; the
+longest length stands for all longer ones) as the ``HOPPER_FWD`` / ``HOPPER_BWD`` dicts to paste into
+flash_configs.py.
 
 GPU: ``PYTHONUNBUFFERED=1 PYTHONPATH=src python3 -m flashpage.bench.attention [--quick] [--variants]``
 (``--quick``: d=128, seqlen 4k / 16k). ``--smoke`` runs tiny shapes on any device (CPU: the Triton
@@ -282,8 +283,8 @@ def bench_shape(
     with sdpa[0].ctx():  # reference: SDPA flash (math on CPU)
         out = sdpa[0].fwd()
         ref = (out.detach(), *_impl_grads(sdpa[0], out, do))
-    cfg = fwd_config(shape.d, dtype, shape.causal, device)
-    bcfg = bwd_config(shape.d, dtype, shape.causal, device)
+    cfg = fwd_config(shape.d, dtype, shape.causal, device, shape.seqlen)
+    bcfg = bwd_config(shape.d, dtype, shape.causal, device, shape.seqlen)
     impls = [
         Impl(
             "flashpage",
@@ -481,26 +482,30 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(rows)
 
     if args.variants:
-        best_f: dict[tuple[int, bool], Any] = {}
-        best_b: dict[tuple[int, bool], Any] = {}
+        best_f: dict[tuple[int, bool, int], Any] = {}
+        best_b: dict[tuple[int, bool, int], Any] = {}
         longest = max(s.seqlen for s in st.shapes)
         for shape in st.shapes:
-            if shape.seqlen != longest:
-                continue
             print(f"variants d={shape.d} s={shape.seqlen} causal={shape.causal}", flush=True)
             with _section("variants"):
                 _, bf, bb = bench_variants(shape, device, sweep_ms, 2 if st.smoke else None)
-            key = (max(32, 1 << (shape.d - 1).bit_length()), shape.causal)
+            # The longest swept length stands for every longer one (flash_configs.table_lookup).
+            bucket = "ANY_SEQLEN" if shape.seqlen == longest else shape.seqlen
+            key = (max(32, 1 << (shape.d - 1).bit_length()), shape.causal, bucket)
             if bf is not None:
                 best_f[key] = bf
             if bb is not None:
                 best_b[key] = bb
         print("\n# best configs, paste into src/flashpage/ops/flash_configs.py")
         print(
-            "HOPPER_FWD = {\n" + "".join(f"    {k}: {_config_literal(c)},\n" for k, c in best_f.items()) + "}"
+            "HOPPER_FWD = {\n"
+            + "".join(f"    ({k[0]}, {k[1]}, {k[2]}): {_config_literal(c)},\n" for k, c in best_f.items())
+            + "}"
         )
         print(
-            "HOPPER_BWD = {\n" + "".join(f"    {k}: {_config_literal(c)},\n" for k, c in best_b.items()) + "}"
+            "HOPPER_BWD = {\n"
+            + "".join(f"    ({k[0]}, {k[1]}, {k[2]}): {_config_literal(c)},\n" for k, c in best_b.items())
+            + "}"
         )
 
     env = env_info(peak, None)

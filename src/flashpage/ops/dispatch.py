@@ -38,6 +38,41 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     v_cache.view(-1, hk, d).index_copy_(0, slots, v[keep].to(v_cache.dtype))
 
 
+def _torch_step_indices(meta: AttentionMetadata, block_size: int, window_left: int) -> dict[str, Tensor]:
+    """Index tensors of the torch path that depend only on the step (memoised on ``meta.scratch``).
+
+    Returns ``table`` ``(B, nblk)`` int64 block ids, ``seq``/``row`` ``(T,)`` padded positions of
+    the packed queries and ``mask`` ``(B, max_q, max_k)`` bool (lengths, causal, left window).
+    """
+    key = f"torch-idx-{block_size}-{window_left}"
+    hit = meta.scratch.get(key)
+    if hit is not None:
+        return hit
+    b, dev = meta.num_seqs, meta.seqlens_k.device
+    max_q, max_k = meta.max_seqlen_q, meta.max_seqlen_k
+    nblk = (max_k + block_size - 1) // block_size
+    cu = meta.cu_seqlens_q.long()
+    qlen = cu[1:] - cu[:-1]  # (B,)
+    klen = meta.seqlens_k.long()
+    # Token t of sequence b sits at padded row max_q - qlen[b] + t, so every sequence's last query is
+    # the last row (bottom-right alignment); query row r sits at key position klen[b] - max_q + r.
+    total = int(cu[-1]) if max_q > 1 else b
+    tok = torch.arange(total, device=dev)
+    if max_q == 1:
+        seq, row = tok, torch.zeros_like(tok)
+    else:
+        seq = torch.repeat_interleave(torch.arange(b, device=dev), qlen)
+        row = max_q - qlen[seq] + (tok - cu[seq])
+    pos_q = klen.view(b, 1, 1) - max_q + torch.arange(max_q, device=dev).view(1, max_q, 1)
+    j = torch.arange(max_k, device=dev).view(1, 1, max_k)
+    mask = (j < klen.view(b, 1, 1)) & (j <= pos_q)  # engine attention is always causal
+    if window_left >= 0:
+        mask &= j >= pos_q - window_left
+    out = {"table": meta.block_table[:, :nblk].long(), "seq": seq, "row": row, "mask": mask}
+    meta.scratch[key] = out
+    return out
+
+
 def torch_paged_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -47,11 +82,12 @@ def torch_paged_attention(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
 ) -> Tensor:
-    """Batched PyTorch attention of the step's queries over the paged cache.
+    """Batched PyTorch attention of the step's queries over the paged cache (causal).
 
     Gathers every sequence's context into a padded ``(B, max_seqlen_k)`` tensor through the block
     table and runs one SDPA call with a mask that combines the bottom-right causal alignment, the
-    sliding window and the per-sequence lengths.
+    left window and the per-sequence lengths. GQA folds the ``nheads / nheads_k`` query heads of a
+    group into the query rows, so K/V are never repeated per query head.
 
     Args:
         q: ``(T, nheads, d)`` packed queries.
@@ -61,43 +97,31 @@ def torch_paged_attention(
     b = meta.num_seqs
     hk, d = k_cache.shape[2], k_cache.shape[3]
     h = q.shape[1]
-    bs = k_cache.shape[1]
-    max_q, max_k = meta.max_seqlen_q, meta.max_seqlen_k
-    nblk = (max_k + bs - 1) // bs
-    table = meta.block_table[:, :nblk].long()
-    # .to(q.dtype): an fp8 cache (unit scales) is read back in the compute dtype.
-    kk = k_cache[table].reshape(b, nblk * bs, hk, d)[:, :max_k].to(q.dtype)
-    vv = v_cache[table].reshape(b, nblk * bs, hk, d)[:, :max_k].to(q.dtype)
-    cu = meta.cu_seqlens_q.long()
-    qlen = cu[1:] - cu[:-1]  # (B,)
-    klen = meta.seqlens_k.long()
-    # Scatter packed queries into a padded (B, max_q) layout: token t of sequence b sits at row
-    # max_q - qlen[b] + t, so every sequence's last query is the last row (bottom-right alignment).
-    tok = torch.arange(q.shape[0], device=q.device)
-    seq_of_tok = torch.repeat_interleave(torch.arange(b, device=q.device), qlen)
-    row = max_q - qlen[seq_of_tok] + (tok - cu[seq_of_tok])
-    qp = q.new_zeros(b, max_q, h, d)
-    qp[seq_of_tok, row] = q
-    # Query row r of sequence b sits at key position klen[b] - max_q + r.
-    pos_q = klen.view(b, 1, 1) - max_q + torch.arange(max_q, device=q.device).view(1, max_q, 1)
-    j = torch.arange(max_k, device=q.device).view(1, 1, max_k)
-    mask = (j < klen.view(b, 1, 1)) & (j <= pos_q + (window_size[1] if window_size[1] >= 0 else max_k))
-    mask &= j <= pos_q  # causal: engine attention is always causal
-    if window_size[0] >= 0:
-        mask &= j >= pos_q - window_size[0]
     g = h // hk
-    qt = qp.transpose(1, 2)  # (B, h, max_q, d)
-    kt = kk.transpose(1, 2).repeat_interleave(g, dim=1)
-    vt = vv.transpose(1, 2).repeat_interleave(g, dim=1)
-    if softcap > 0:
-        scores = torch.matmul(qt.float(), kt.float().transpose(-1, -2)) * softmax_scale
-        scores = softcap * torch.tanh(scores / softcap)
-        scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1).nan_to_num(0.0), vt.float()).to(q.dtype)
+    max_q, max_k = meta.max_seqlen_q, meta.max_seqlen_k
+    ix = _torch_step_indices(meta, k_cache.shape[1], window_size[0])
+    table, seq, row, mask = ix["table"], ix["seq"], ix["row"], ix["mask"]
+    nblk = table.shape[1]
+    # .to(q.dtype): an fp8 cache (unit scales) is read back in the compute dtype.
+    kk = k_cache[table].view(b, nblk * k_cache.shape[1], hk, d)[:, :max_k].to(q.dtype).transpose(1, 2)
+    vv = v_cache[table].view(b, nblk * v_cache.shape[1], hk, d)[:, :max_k].to(q.dtype).transpose(1, 2)
+    if max_q == 1:
+        qp = q.view(b, 1, h, d)
     else:
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask.unsqueeze(1), scale=softmax_scale)
-    out = out.transpose(1, 2)  # (B, max_q, h, d)
-    return out[seq_of_tok, row]
+        qp = q.new_zeros(b, max_q, h, d)
+        qp[seq, row] = q
+    # (B, max_q, hk, g, d) -> (B, hk, g * max_q, d): query rows of a group share their KV head.
+    qt = qp.view(b, max_q, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b, hk, g * max_q, d)
+    m = mask.unsqueeze(1).expand(b, g, max_q, max_k).reshape(b, 1, g * max_q, max_k)
+    if softcap > 0:
+        scores = torch.matmul(qt.float(), kk.float().transpose(-1, -2)) * softmax_scale
+        scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~m, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1).nan_to_num(0.0), vv.float()).to(q.dtype)
+    else:
+        out = F.scaled_dot_product_attention(qt, kk, vv, attn_mask=m, scale=softmax_scale)
+    out = out.view(b, hk, g, max_q, d).permute(0, 3, 1, 2, 4).reshape(b, max_q, h, d)
+    return out[seq, row]
 
 
 def attention(

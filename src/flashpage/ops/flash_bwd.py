@@ -572,7 +572,7 @@ def flash_bwd(
                 lambda cfg: _launch_bwd(*args, cfg),  # type: ignore[arg-type]
             )
         else:
-            config = bwd_config(prob.head_dim, q.dtype, prob.causal, q.device)
+            config = bwd_config(prob.head_dim, q.dtype, prob.causal, q.device, prob.seqlen_k)
     assert config is not None
     if deterministic and config.dq_mode != "separate":
         config = replace(config, dq_mode="separate")

@@ -14,7 +14,10 @@ Lookup order (:func:`fwd_config`, :func:`bwd_config`):
    ``python -m flashpage.bench.attention --variants``, which prints a dict to paste here);
 4. conservative defaults (Ampere-safe tile sizes, pointer loads).
 
-Table keys are ``(padded head dim, causal)`` for 16-bit dtypes; float32 always uses small tiles.
+Table keys are ``(padded head dim, causal, seqlen bucket)`` for 16-bit dtypes: a problem uses the entry
+with the smallest bucket >= its ``max_seqlen_k`` (else the largest bucket), because the best tiles for
+1k-token sequences (many short programs: latency, occupancy) differ from those for 16k. float32 always
+uses small tiles.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "fwd_config",
     "gpu_family",
     "padded_head_dim",
+    "table_lookup",
     "tma_supported",
 ]
 
@@ -131,26 +135,39 @@ class BwdConfig:
 # Checked-in tables. Keys: (padded head dim, causal). Hopper (sm_90: H100 / H200) entries; refresh
 # them from `python -m flashpage.bench.attention --variants` on the H200 (it prints these dicts).
 # ---------------------------------------------------------------------------------------------
-HOPPER_FWD: dict[tuple[int, bool], FwdConfig] = {
-    (32, False): FwdConfig(128, 128, 8, 3, True),
-    (32, True): FwdConfig(128, 128, 8, 3, True),
-    (64, False): FwdConfig(128, 128, 8, 3, True),
-    (64, True): FwdConfig(128, 128, 8, 3, True),
-    (128, False): FwdConfig(128, 128, 8, 3, True),
-    (128, True): FwdConfig(128, 128, 8, 3, True),
-    (256, False): FwdConfig(128, 64, 8, 2, True),
-    (256, True): FwdConfig(128, 64, 8, 2, True),
+ANY_SEQLEN = 1 << 30
+HOPPER_FWD: dict[tuple[int, bool, int], FwdConfig] = {
+    (32, False, ANY_SEQLEN): FwdConfig(128, 128, 8, 3, True),
+    (32, True, ANY_SEQLEN): FwdConfig(128, 128, 8, 3, True),
+    (64, False, ANY_SEQLEN): FwdConfig(128, 128, 8, 3, True),
+    (64, True, ANY_SEQLEN): FwdConfig(128, 128, 8, 3, True),
+    (128, False, ANY_SEQLEN): FwdConfig(128, 128, 8, 3, True),
+    (128, True, ANY_SEQLEN): FwdConfig(128, 128, 8, 3, True),
+    (256, False, ANY_SEQLEN): FwdConfig(128, 64, 8, 2, True),
+    (256, True, ANY_SEQLEN): FwdConfig(128, 64, 8, 2, True),
 }
-HOPPER_BWD: dict[tuple[int, bool], BwdConfig] = {
-    (32, False): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
-    (32, True): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
-    (64, False): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
-    (64, True): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
-    (128, False): BwdConfig(32, 128, 128, 64, 8, 3, 8, 2),
-    (128, True): BwdConfig(32, 128, 128, 64, 8, 3, 8, 2),
-    (256, False): BwdConfig(32, 64, 64, 32, 8, 2, 8, 2),
-    (256, True): BwdConfig(32, 64, 64, 32, 8, 2, 8, 2),
+HOPPER_BWD: dict[tuple[int, bool, int], BwdConfig] = {
+    (32, False, ANY_SEQLEN): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
+    (32, True, ANY_SEQLEN): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
+    (64, False, ANY_SEQLEN): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
+    (64, True, ANY_SEQLEN): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
+    (128, False, ANY_SEQLEN): BwdConfig(32, 128, 128, 64, 8, 3, 8, 2),
+    (128, True, ANY_SEQLEN): BwdConfig(32, 128, 128, 64, 8, 3, 8, 2),
+    (256, False, ANY_SEQLEN): BwdConfig(32, 64, 64, 32, 8, 2, 8, 2),
+    (256, True, ANY_SEQLEN): BwdConfig(32, 64, 64, 32, 8, 2, 8, 2),
 }
+
+
+def table_lookup(table: dict, head_dim_padded: int, causal: bool, seqlen_k: int | None) -> object | None:
+    """The entry of ``table`` for ``(head_dim_padded, causal)`` whose seqlen bucket is the smallest one
+    >= ``seqlen_k`` (``None``: the largest bucket); ``None`` when the table has no such key."""
+    buckets = sorted(b for (d, c, b) in table if d == head_dim_padded and c == causal)
+    if not buckets:
+        return None
+    s = ANY_SEQLEN if seqlen_k is None else int(seqlen_k)
+    chosen = next((b for b in buckets if b >= s), buckets[-1])
+    return table[(head_dim_padded, causal, chosen)]
+
 
 # Safe everywhere (sm_80+, < 100 KB shared memory, no TMA).
 _DEFAULT_FWD: dict[int, FwdConfig] = {
@@ -207,7 +224,9 @@ def tma_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device) -> FwdConfig:
+def fwd_config(
+    head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device, seqlen_k: int | None = None
+) -> FwdConfig:
     """The table (or fallback) forward config; autotuning is done by the launcher (see module doc)."""
     fam = gpu_family(device)
     if fam == "interpreter":
@@ -216,12 +235,15 @@ def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool, device: torch.de
         return _FP32_FWD
     dp = padded_head_dim(head_dim)
     if fam in ("hopper", "blackwell"):
-        cfg = HOPPER_FWD.get((dp, causal), _DEFAULT_FWD[dp])
+        cfg = table_lookup(HOPPER_FWD, dp, causal, seqlen_k) or _DEFAULT_FWD[dp]
+        assert isinstance(cfg, FwdConfig)
         return cfg if tma_supported(device) else replace(cfg, use_tma=False)
     return _DEFAULT_FWD[dp]
 
 
-def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device) -> BwdConfig:
+def bwd_config(
+    head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device, seqlen_k: int | None = None
+) -> BwdConfig:
     """The table (or fallback) backward config."""
     fam = gpu_family(device)
     if fam == "interpreter":
@@ -230,7 +252,8 @@ def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool, device: torch.de
         return _FP32_BWD
     dp = padded_head_dim(head_dim)
     if fam in ("hopper", "blackwell"):
-        cfg = HOPPER_BWD.get((dp, causal), _DEFAULT_BWD[dp])
+        cfg = table_lookup(HOPPER_BWD, dp, causal, seqlen_k) or _DEFAULT_BWD[dp]
+        assert isinstance(cfg, BwdConfig)
         return cfg if tma_supported(device) else replace(cfg, use_tma=False)
     return _DEFAULT_BWD[dp]
 

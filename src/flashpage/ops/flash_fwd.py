@@ -767,7 +767,7 @@ def flash_fwd(
                 lambda cfg: _launch_fwd(*args, cfg),  # type: ignore[arg-type]
             )
         else:
-            config = fwd_config(prob.head_dim, q.dtype, prob.causal, q.device)
+            config = fwd_config(prob.head_dim, q.dtype, prob.causal, q.device, prob.seqlen_k)
     assert config is not None
     _launch_fwd(*args, config)
     return out, lse

@@ -13,7 +13,8 @@ flat slot ``s`` is ``cache.view(-1, nheads_k, d)[s]``, i.e. block ``s // block_s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
@@ -45,6 +46,9 @@ class AttentionMetadata:
     decode_only: bool = False
     prefix_free: bool = False
     num_splits: int = 0
+    # Memo of derived index tensors for one forward (the torch path builds them once, not once per
+    # layer); the model clears it at the start of every forward.
+    scratch: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
