@@ -273,7 +273,7 @@ def bench_shape(
     deadline: float,
 ) -> tuple[list[dict[str, Any]], bool, list[str]]:
     from flashpage.ops.flash_attn import flash_attn_func
-    from flashpage.ops.flash_configs import bwd_config, fwd_config
+    from flashpage.ops.flash_configs import autotune_enabled, bwd_config, fwd_config
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     t = make_inputs(shape, device, dtype)
@@ -290,7 +290,7 @@ def bench_shape(
             "flashpage",
             lambda: flash_attn_func(q, k, v, causal=shape.causal),
             (q, k, v),
-            note=f"{cfg.short()} | {bcfg.short()}",
+            note="autotuned" if autotune_enabled() else f"{cfg.short()} | {bcfg.short()}",
         )
     ]  # type: ignore[arg-type]
     impls += sdpa
@@ -378,6 +378,36 @@ def bench_variants(
             if ok and tf > best.get(pas, (0.0, None))[0]:
                 best[pas] = (tf, cfg)
     return rows, best.get("fwd", (0.0, None))[1], best.get("bwd", (0.0, None))[1]
+
+
+def print_autotuned_table(longest: int) -> None:
+    """Print this process's autotuning results (``FLASHPAGE_AUTOTUNE=1``) as table entries.
+
+    Keys follow :func:`flashpage.ops.flash_fwd.problem_key` (``("fwd", gpu, dtype, d, group, varlen,
+    causal, ...)``, ``("bwd", deterministic, gpu, ...)``); only plain (no window/softcap/ALiBi/dropout)
+    non-deterministic problems become entries, the longest swept length standing for all longer ones.
+    """
+    from flashpage.ops.flash_configs import padded_head_dim, tuned_configs
+
+    tables: dict[str, dict[tuple[int, bool, str], Any]] = {"fwd": {}, "bwd": {}}
+    for key, cfg in tuned_configs().items():
+        kind, rest = str(key[0]), key[1:]
+        if kind == "bwd":
+            if rest[0]:  # deterministic
+                continue
+            rest = rest[1:]
+        _gpu, _dtype, d, _group, varlen, causal, wl, wr, cap, alibi, drop, _bq, bk = rest
+        if varlen or wl or (wr and not causal) or cap or alibi or drop:  # causal sets window_right = 0
+            continue
+        bucket = "ANY_SEQLEN" if int(bk) >= longest else str(bk)  # type: ignore[call-overload]
+        tables[kind][(padded_head_dim(int(d)), bool(causal), bucket)] = cfg  # type: ignore[call-overload]
+    print("\n# autotuned configs (FLASHPAGE_AUTOTUNE=1), paste into src/flashpage/ops/flash_configs.py")
+    for kind, name in (("fwd", "HOPPER_FWD"), ("bwd", "HOPPER_BWD")):
+        items = sorted(
+            tables[kind].items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "ANY_SEQLEN", kv[0][2])
+        )
+        body = "".join(f"    ({k[0]}, {k[1]}, {k[2]}): {_config_literal(c)},\n" for k, c in items)
+        print(f"{name} = {{\n{body}}}", flush=True)
 
 
 def _config_literal(cfg: Any) -> str:
@@ -508,6 +538,10 @@ def main(argv: list[str] | None = None) -> int:
             + "}"
         )
 
+    from flashpage.ops.flash_configs import autotune_enabled
+
+    if autotune_enabled():
+        print_autotuned_table(max(s.seqlen for s in st.shapes))
     env = env_info(peak, None)
     note = (
         "16k tokens total, model dim 2048, bf16; TFLOP/s from 4*b*h*s^2*d (/2 causal), bwd 2.5x fwd; "

@@ -176,6 +176,9 @@ def run_flashpage(
         "kv_blocks_total": stats["kv_blocks_total"],
         "num_preemptions": stats["num_preemptions"],
         "steps": stats["steps"],
+        "busy_s": stats["busy_s"],
+        "schedule_s": stats["schedule_s"],
+        "launch_s": stats["launch_s"],
         "roofline": stats["roofline"],
         "cuda_graphs": stats["cuda_graphs"],
     }
@@ -334,7 +337,9 @@ def _gpu_mode(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str,
         f"({100 * fp_row['frac_of_roofline']:.1f}% of the roofline bound); TTFT p50 {fp['ttft_ms_p50']:.0f} ms "
         f"p99 {fp['ttft_ms_p99']:.0f} ms; ITL p50 {fp['itl_ms_p50']:.1f} ms p99 {fp['itl_ms_p99']:.1f} ms; "
         f"peak KV waste {fp['kv_waste_pct_peak']:.2f}%; {fp['num_preemptions']} preemptions; "
-        f"decode steps on CUDA graphs {fp_row['cuda_graph_decode_steps']}/{fp['roofline'].get('decode', {}).get('steps', 0)}"
+        f"decode steps on CUDA graphs {fp_row['cuda_graph_decode_steps']}/{fp['roofline'].get('decode', {}).get('steps', 0)}; "
+        f"step time {fp['busy_s']:.2f} s of which scheduler {fp['schedule_s']:.2f} s, input build + launch "
+        f"{fp['launch_s']:.2f} s"
     )
     del loaded
     gc.collect()

@@ -406,10 +406,15 @@ class EngineCore:
             sched = self.scheduler.schedule()
             if sched.is_empty:
                 return []
+            t1 = time.perf_counter()
             with torch.inference_mode():
                 logits = self.runner.execute(sched.scheduled, sched.copies)
+                t2 = time.perf_counter()
                 self.scheduler.on_computed(sched)
                 outputs = self._sample_and_update(sched, logits, t0)
+            st = self._stats
+            st.schedule_s += t1 - t0
+            st.launch_s += t2 - t1
             self._account(sched, t0)
             return outputs
 
@@ -522,7 +527,9 @@ class EngineCore:
         ``kv_waste_pct_mean`` (block-weighted over steps), ``kv_waste_pct_max``,
         ``prefix_cache_hit_rate``, ``prompt_tokens``, ``prompt_tokens_computed``,
         ``generation_tokens``, ``prompt_tokens_per_s`` (computed prompt tokens / time of steps with
-        prefill work), ``generation_tokens_per_s`` (generated tokens / busy time), ``busy_s``,
+        prefill work), ``generation_tokens_per_s`` (generated tokens / busy time), ``busy_s`` (time
+        in steps; of it ``schedule_s`` in the scheduler and ``launch_s`` building inputs and launching
+        the forward; the rest samples, waits for the device and updates sequences),
         ``steps``, ``ttft_ms_mean``/``_p50``/``_p99``, ``num_preemptions``, ``num_running``,
         ``num_waiting``, ``max_model_len``, ``cuda_graphs``, ``roofline`` (per phase: op, kernel,
         num_splits, intensity, ridge, bound, steps, tokens).
@@ -551,6 +558,8 @@ class EngineCore:
             "prompt_tokens_per_s": s.prompt_tokens_computed / s.prefill_busy_s if s.prefill_busy_s else 0.0,
             "generation_tokens_per_s": s.generation_tokens / s.busy_s if s.busy_s else 0.0,
             "busy_s": s.busy_s,
+            "schedule_s": s.schedule_s,
+            "launch_s": s.launch_s,
             "steps": s.steps,
             "requests_finished": s.finished,
             "requests_aborted": s.aborted,
@@ -591,6 +600,8 @@ class EngineCore:
 class _Counters:
     steps: int = 0
     busy_s: float = 0.0
+    schedule_s: float = 0.0
+    launch_s: float = 0.0
     prefill_busy_s: float = 0.0
     prompt_tokens: int = 0
     prompt_tokens_computed: int = 0

@@ -468,6 +468,13 @@ class ModelRunner:
         self._g_seqlens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self._g_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
         self._g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        # Host staging of the replay inputs, allocated once: pinning fresh tensors every step costs
+        # pinned-memory allocations on the critical path. Rewriting them is safe because every step
+        # ends with the sampler's device-to-host copy, after which the previous uploads are done.
+        pin = dev.type == "cuda"
+        self._h_ids = torch.zeros(3, max_bs, dtype=torch.long, pin_memory=pin)  # ids, positions, slots
+        self._h_seqlens = torch.ones(max_bs, dtype=torch.int32, pin_memory=pin)
+        self._h_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
         self._graphs.clear()
         self._graph_out_views.clear()
         buckets = graph_batch_sizes(max_bs)
@@ -532,20 +539,26 @@ class ModelRunner:
 
     def _replay(self, g: _Graph, batch: StepBatch) -> Tensor:
         b, n = g.batch, batch.num_seqs
-        pad = b - n
-        ids = batch.input_ids + [0] * pad
-        pos = batch.positions + [0] * pad
-        slots = batch.slot_mapping + [-1] * pad  # padded rows write no KV
-        seqlens = batch.seqlens_k + [1] * pad
         width = max(math.ceil(batch.max_seqlen_k / self.block_size), 1)
-        tables = self._block_table_array(batch.block_tables, width)
-        # Pinned host -> static device buffers, asynchronously (the caching host allocator keeps each
-        # pinned block alive until its copy is done).
-        self._g_ids[:b].copy_(self._host(ids, torch.long), non_blocking=True)
-        self._g_pos[:b].copy_(self._host(pos, torch.long), non_blocking=True)
-        self._g_slots[:b].copy_(self._host(slots, torch.long), non_blocking=True)
-        self._g_seqlens[:b].copy_(self._host(seqlens, torch.int32), non_blocking=True)
-        self._g_tables[:n, :width].copy_(self._host(tables, torch.int32), non_blocking=True)
+        h = self._h_ids.numpy()
+        h[0, :n] = batch.input_ids
+        h[1, :n] = batch.positions
+        h[2, :n] = batch.slot_mapping
+        h[:2, n:b] = 0
+        h[2, n:b] = -1  # padded rows write no KV
+        hs = self._h_seqlens.numpy()
+        hs[:n] = batch.seqlens_k
+        hs[n:b] = 1
+        ht = self._h_tables.numpy()
+        for i, t in enumerate(batch.block_tables):
+            row = t[:width]  # a table may already cover tokens that later chunks compute
+            ht[i, : len(row)] = row
+        # Pinned staging -> static device buffers, asynchronously.
+        self._g_ids[:b].copy_(self._h_ids[0, :b], non_blocking=True)
+        self._g_pos[:b].copy_(self._h_ids[1, :b], non_blocking=True)
+        self._g_slots[:b].copy_(self._h_ids[2, :b], non_blocking=True)
+        self._g_seqlens[:b].copy_(self._h_seqlens[:b], non_blocking=True)
+        self._g_tables[:n, :width].copy_(self._h_tables[:n, :width], non_blocking=True)
         g.replay()
         return self._graph_out_views[(g.batch, g.num_splits)][:n]
 

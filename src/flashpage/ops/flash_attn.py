@@ -48,8 +48,7 @@ def _draw_seed() -> int:
 # ----------------------------------------------------------------------------------------------
 # Custom ops (Triton backend)
 # ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("flashpage::flash_attn_forward", mutates_args=())
-def _flash_attn_forward(
+def _forward_impl(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -89,6 +88,9 @@ def _flash_attn_forward(
     return out, lse, torch.tensor([seed], dtype=torch.int64), probs
 
 
+_flash_attn_forward = torch.library.custom_op("flashpage::flash_attn_forward", _forward_impl, mutates_args=())
+
+
 @_flash_attn_forward.register_fake
 def _flash_attn_forward_fake(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
@@ -107,8 +109,7 @@ def _flash_attn_forward_fake(
     return q.new_empty(q.shape), lse, torch.empty((1,), dtype=torch.int64, device="cpu"), probs
 
 
-@torch.library.custom_op("flashpage::flash_attn_backward", mutates_args=())
-def _flash_attn_backward(
+def _backward_impl(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -140,6 +141,11 @@ def _flash_attn_backward(
     )  # fmt: skip
 
 
+_flash_attn_backward = torch.library.custom_op(
+    "flashpage::flash_attn_backward", _backward_impl, mutates_args=()
+)
+
+
 @_flash_attn_backward.register_fake
 def _flash_attn_backward_fake(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, rng_state: Tensor,
@@ -167,6 +173,44 @@ def _backward(ctx: torch.autograd.function.FunctionCtx, dout: Tensor, *_unused: 
 
 
 torch.library.register_autograd("flashpage::flash_attn_forward", _backward, setup_context=_setup_context)
+
+
+class _FlashAttnFunction(torch.autograd.Function):
+    """Eager autograd of the same forward/backward implementations as the custom ops.
+
+    The custom-op dispatch costs ~100 us of Python per call (argument normalisation), which is the
+    whole kernel time of a 1k-token causal forward; eager calls therefore take this path and only
+    ``torch.compile`` traces the custom ops.
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, *args: object) -> tuple[Tensor, ...]:  # type: ignore[override]
+        output = _forward_impl(*args)  # type: ignore[arg-type]
+        _setup_context(ctx, args, output)
+        ctx.mark_non_differentiable(*output[1:])
+        return output
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, dout: Tensor, *_unused: Tensor) -> tuple:  # type: ignore[override]
+        q, k, v, out, lse, rng, cu_q, cu_k, alibi = ctx.saved_tensors  # type: ignore[attr-defined]
+        max_sq, max_sk, p, scale, causal, wl, wr, cap, det = ctx.args  # type: ignore[attr-defined]
+        dq, dk, dv = _backward_impl(
+            dout.contiguous(), q, k, v, out, lse, rng, cu_q, cu_k, max_sq, max_sk, p, scale, causal, wl, wr,
+            cap, alibi, det,
+        )  # fmt: skip
+        return (dq, dk, dv) + (None,) * 13
+
+
+def _triton_forward(*args: object) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The Triton forward with autograd: custom op under ``torch.compile``, else the eager Function
+    (or the bare implementation when nothing needs a gradient)."""
+    if torch.compiler.is_compiling():
+        return _flash_attn_forward(*args)  # type: ignore[no-any-return]
+    q, k, v = args[0], args[1], args[2]
+    needs_grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, k, v))
+    if needs_grad:
+        return _FlashAttnFunction.apply(*args)  # type: ignore[no-any-return]
+    return _forward_impl(*args)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -276,7 +320,7 @@ def flash_attn_func(
             q, k, v, dropout_p, scale, causal, tuple(window_size), softcap, alibi_slopes, return_attn_probs
         )
     else:
-        out, lse, _rng, probs = _flash_attn_forward(
+        out, lse, _rng, probs = _triton_forward(
             q, k, v, None, None, 0, 0, float(dropout_p), scale, bool(causal), int(window_size[0]),
             int(window_size[1]), float(softcap), alibi_slopes, bool(deterministic), bool(return_attn_probs),
         )  # fmt: skip
@@ -333,7 +377,7 @@ def flash_attn_varlen_func(
             tuple(window_size), softcap, alibi_slopes,
         )  # fmt: skip
     else:
-        out, lse, _rng, probs = _flash_attn_forward(
+        out, lse, _rng, probs = _triton_forward(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(dropout_p), scale,
             bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
             bool(deterministic), bool(return_attn_probs),
