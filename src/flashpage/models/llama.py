@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flashpage.models.config import ModelConfig
+from flashpage.ops.backend import resolve_backend
 from flashpage.ops.dispatch import attention
+from flashpage.ops.fused_ops import rms_norm, rope_qk, silu_and_mul
 from flashpage.ops.metadata import AttentionMetadata
 
 __all__ = ["LlamaForCausalLM", "apply_rope", "rope_cos_sin", "rope_inv_freq"]
@@ -146,8 +149,14 @@ class RMSNorm(nn.Module):
         self.weight = _param(hidden, dtype=dtype, device=device)
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        """``x (T, hidden)`` -> ``(T, hidden)`` in x's dtype."""
+    def forward(self, x: Tensor, residual: Tensor | None = None, fused: bool = False) -> Any:
+        """``x (T, hidden)`` -> ``(T, hidden)`` in x's dtype; with ``residual``, normalises
+        ``h = residual + x`` and returns ``(norm(h), h)``. ``fused``: one Triton kernel (CUDA)."""
+        if fused:
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            h = residual + x
+            return self.forward(h), h
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -171,14 +180,24 @@ class LlamaAttention(nn.Module):
         self.o_bias = _param(c.hidden_size, dtype=dtype, device=device) if c.attention_out_bias else None
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: tuple[Tensor, Tensor],
+        meta: AttentionMetadata,
+        fused: bool = False,
     ) -> Tensor:
         """``x (T, hidden)``, ``cos``/``sin`` ``(T, head_dim // 2)`` -> ``(T, hidden)``."""
         t = x.shape[0]
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        if fused:
+            q, k = rope_qk(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)  # strided view of qkv: the cache write copies it
         k_cache, v_cache = kv_cache
         o = attention(
@@ -199,9 +218,12 @@ class LlamaMLP(nn.Module):
         )
         self.down_weight = _param(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, fused: bool = False) -> Tensor:
         """``x (T, hidden)`` -> ``(T, hidden)``."""
-        gate, up = F.linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
+        gate_up = F.linear(x, self.gate_up_weight)
+        if fused:
+            return F.linear(silu_and_mul(gate_up), self.down_weight)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_weight)
 
 
@@ -216,10 +238,24 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype, device)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata
-    ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: tuple[Tensor, Tensor],
+        meta: AttentionMetadata,
+        fused: bool = False,
+    ) -> tuple[Tensor, Tensor]:
+        """``(x, residual)`` -> ``(mlp output, residual)``: the residual stream is ``residual + x``,
+        added inside the next norm (one fused kernel on CUDA). ``residual=None`` for the first layer."""
+        if residual is None:
+            h, residual = self.input_layernorm(x, fused=fused), x
+        else:
+            h, residual = self.input_layernorm(x, residual, fused=fused)
+        a = self.self_attn(h, cos, sin, kv_cache, meta, fused=fused)
+        h, residual = self.post_attention_layernorm(a, residual, fused=fused)
+        return self.mlp(h, fused=fused), residual
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -240,7 +276,14 @@ class LlamaForCausalLM(nn.Module):
         device: where to allocate.
         empty: leave the weights uninitialised (they must be loaded before use).
         seed: seed of the random init.
+
+    Attributes:
+        fused_ops: ``None`` (default): the fused Triton RMSNorm / RoPE / SiLU kernels of
+            :mod:`flashpage.ops.fused_ops` on CUDA with the Triton backend, PyTorch ops otherwise;
+            ``True`` / ``False`` forces one path (tests run the fused one under the interpreter).
     """
+
+    fused_ops: bool | None = None
 
     def __init__(
         self,
@@ -337,10 +380,18 @@ class LlamaForCausalLM(nn.Module):
             )
         # Gathered and cast to the activation dtype once per step (as HF casts cos/sin), shared by all layers.
         cos, sin = self.rope_cos[positions].to(self.dtype), self.rope_sin[positions].to(self.dtype)
+        # Fused Triton element-wise kernels on CUDA with the Triton backend; PyTorch ops otherwise
+        # (the CPU path stays op-for-op the Hugging Face formulation, for exact parity).
+        fused = self.fused_ops
+        if fused is None:
+            fused = input_ids.is_cuda and resolve_backend(input_ids.device) == "triton"
         h = F.embedding(input_ids, self.embed_tokens)
+        residual: Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, kv, meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv, meta, fused=fused)
+        if residual is None:  # no layers
+            return self.norm(h, fused=fused)
+        return self.norm(h, residual, fused=fused)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """``(N, hidden)`` -> ``(N, vocab)`` float32 logits."""
