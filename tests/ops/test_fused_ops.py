@@ -83,8 +83,8 @@ def test_model_forward_fused_equals_torch_path(device: str) -> None:
     from flashpage.ops.metadata import AttentionMetadata
 
     cfg = ModelConfig(
-        architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True,
+        architecture="llama", vocab_size=64, hidden_size=128, intermediate_size=96, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=64, tie_word_embeddings=True,
     )  # fmt: skip
     model = LlamaForCausalLM(cfg, torch.float32, device, seed=0)
     t, bs = 6, 8
@@ -93,7 +93,7 @@ def test_model_forward_fused_equals_torch_path(device: str) -> None:
     outs = []
     for fused in (False, True):
         caches = [
-            (torch.zeros(4, bs, 2, 16, device=device), torch.zeros(4, bs, 2, 16, device=device))
+            (torch.zeros(4, bs, 2, 32, device=device), torch.zeros(4, bs, 2, 32, device=device))
             for _ in range(2)
         ]
         meta = AttentionMetadata(
