@@ -107,6 +107,18 @@ def rms_norm(
 # RoPE on q and k
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _rotate_heads(X, XO, t, stride_t, stride_h, nh, c, s, half, offs_h, offs_d, d_ok):
+    """Rotate the ``nh`` heads of token ``t`` (``x1 * c - x2 * s``, ``x2 * c + x1 * s``) into ``XO``."""
+    ok = (offs_h[:, None] < nh) & d_ok[None, :]
+    p1 = X + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(p1, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + half, mask=ok, other=0.0).to(tl.float32)
+    o1 = XO + t * nh * 2 * half + offs_h[:, None] * 2 * half + offs_d[None, :]
+    tl.store(o1, (x1 * c - x2 * s).to(XO.dtype.element_ty), mask=ok)
+    tl.store(o1 + half, (x2 * c + x1 * s).to(XO.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _rope_kernel(
     Q, K, COS, SIN, QO, KO, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
     nheads, nheads_k, half,
@@ -119,24 +131,10 @@ def _rope_kernel(
     # cos/sin are rounded to the activation dtype first, as the PyTorch formulation does.
     c = tl.load(COS + t * stride_ct + offs_d, mask=d_ok, other=0.0).to(Q.dtype.element_ty).to(tl.float32)
     s = tl.load(SIN + t * stride_ct + offs_d, mask=d_ok, other=0.0).to(Q.dtype.element_ty).to(tl.float32)
-    c = c[None, :]
-    s = s[None, :]
-    # q heads
-    ok = (offs_h[:, None] < nheads) & d_ok[None, :]
-    p1 = Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    x1 = tl.load(p1, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + half, mask=ok, other=0.0).to(tl.float32)
-    o1 = QO + t * nheads * 2 * half + offs_h[:, None] * 2 * half + offs_d[None, :]
-    tl.store(o1, (x1 * c - x2 * s).to(QO.dtype.element_ty), mask=ok)
-    tl.store(o1 + half, (x2 * c + x1 * s).to(QO.dtype.element_ty), mask=ok)
-    # k heads
-    ok = (offs_h[:, None] < nheads_k) & d_ok[None, :]
-    p1 = K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
-    x1 = tl.load(p1, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + half, mask=ok, other=0.0).to(tl.float32)
-    o1 = KO + t * nheads_k * 2 * half + offs_h[:, None] * 2 * half + offs_d[None, :]
-    tl.store(o1, (x1 * c - x2 * s).to(KO.dtype.element_ty), mask=ok)
-    tl.store(o1 + half, (x2 * c + x1 * s).to(KO.dtype.element_ty), mask=ok)
+    _rotate_heads(Q, QO, t, stride_qt, stride_qh, nheads, c[None, :], s[None, :], half, offs_h, offs_d, d_ok)
+    _rotate_heads(
+        K, KO, t, stride_kt, stride_kh, nheads_k, c[None, :], s[None, :], half, offs_h, offs_d, d_ok
+    )
 
 
 def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
