@@ -299,7 +299,15 @@ def fwd_candidates(head_dim: int, device: torch.device) -> list[FwdConfig]:
             (128, 128, 8, 4),
         ]
     elif dp <= 128:
-        base = [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (128, 128, 8, 2)]
+        base = [
+            (128, 128, 8, 3),
+            (128, 64, 8, 3),
+            (64, 64, 4, 3),
+            (64, 64, 4, 2),
+            (128, 128, 8, 2),
+            (128, 128, 8, 4),  # not yet measured (2026-12-03): deeper pipelines for long rows
+            (128, 64, 4, 4),
+        ]
     else:
         base = [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)]
     # With TMA the pointer-load variants were never faster on the H200 (2026-12-03): time TMA only.
@@ -335,7 +343,11 @@ def bwd_candidates(head_dim: int, device: torch.device) -> list[BwdConfig]:
     out = list(base)
     out += [replace(c, dq_mode="atomic") for c in base[:2]]
     if tma:
-        out += [replace(base[0], use_tma=True)]
+        out += [replace(c, use_tma=True) for c in base[:2]]
+        if dp > 128:
+            # Not yet measured (2026-12-03): 16 warps double the registers for the two 64 x 256 fp32
+            # accumulators (dK, dV), whose spills are the suspected limit of the d=256 backward.
+            out += [replace(base[0], num_warps=16, num_warps2=16, use_tma=True)]
     return out
 
 

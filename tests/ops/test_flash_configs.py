@@ -1,0 +1,40 @@
+"""Tile tables and candidate lists of the FlashAttention kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpage.ops.flash_configs import (
+    ANY_SEQLEN,
+    HOPPER_BWD,
+    HOPPER_FWD,
+    BwdConfig,
+    FwdConfig,
+    bwd_candidates,
+    fwd_candidates,
+    table_lookup,
+)
+
+
+@pytest.mark.parametrize("table", [HOPPER_FWD, HOPPER_BWD])
+def test_tables_cover_every_head_dim_and_mask_for_any_length(table: dict) -> None:
+    for d in (32, 64, 128, 256):
+        for causal in (False, True):
+            assert (d, causal, ANY_SEQLEN) in table
+            for s in (1, 1024, 1025, 4096, 4097, 1 << 20, None):
+                assert table_lookup(table, d, causal, s) is not None
+
+
+def test_table_lookup_picks_smallest_bucket_at_or_above_the_length() -> None:
+    t = {(128, True, 1024): "a", (128, True, 4096): "b", (128, True, ANY_SEQLEN): "c"}
+    assert [table_lookup(t, 128, True, s) for s in (1, 1024, 1025, 4096, 4097, None)] == list("aabbcc")
+    assert table_lookup(t, 64, True, 100) is None
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
+def test_candidates_are_valid_distinct_configs(d: int) -> None:
+    dev = torch.device("cpu")
+    for cands, typ in ((fwd_candidates(d, dev), FwdConfig), (bwd_candidates(d, dev), BwdConfig)):
+        assert cands and all(isinstance(c, typ) for c in cands)
+        assert len({c.short() for c in cands}) == len(cands)  # no config is timed twice
