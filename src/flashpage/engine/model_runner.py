@@ -469,9 +469,10 @@ class ModelRunner:
         self._g_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
         self._g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         # Host staging of the replay inputs, allocated once: pinning fresh tensors every step costs
-        # pinned-memory allocations on the critical path. Rewriting them is safe because every step
-        # ends with the sampler's device-to-host copy, after which the previous uploads are done.
+        # pinned-memory allocations on the critical path. Before rewriting them, _replay waits on the
+        # event recorded after the previous uploads (normally long done: the sampler synchronises).
         pin = dev.type == "cuda"
+        self._h_event = torch.cuda.Event() if cuda else None
         self._h_ids = torch.zeros(3, max_bs, dtype=torch.long, pin_memory=pin)  # ids, positions, slots
         self._h_seqlens = torch.ones(max_bs, dtype=torch.int32, pin_memory=pin)
         self._h_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
@@ -540,6 +541,8 @@ class ModelRunner:
     def _replay(self, g: _Graph, batch: StepBatch) -> Tensor:
         b, n = g.batch, batch.num_seqs
         width = max(math.ceil(batch.max_seqlen_k / self.block_size), 1)
+        if self._h_event is not None:
+            self._h_event.synchronize()  # the previous step's uploads have read the staging buffers
         h = self._h_ids.numpy()
         h[0, :n] = batch.input_ids
         h[1, :n] = batch.positions
@@ -553,12 +556,15 @@ class ModelRunner:
         for i, t in enumerate(batch.block_tables):
             row = t[:width]  # a table may already cover tokens that later chunks compute
             ht[i, : len(row)] = row
-        # Pinned staging -> static device buffers, asynchronously.
+        # Pinned staging -> static device buffers, asynchronously (whole rows: contiguous sources; the
+        # table entries past a sequence's own blocks are never read).
         self._g_ids[:b].copy_(self._h_ids[0, :b], non_blocking=True)
         self._g_pos[:b].copy_(self._h_ids[1, :b], non_blocking=True)
         self._g_slots[:b].copy_(self._h_ids[2, :b], non_blocking=True)
         self._g_seqlens[:b].copy_(self._h_seqlens[:b], non_blocking=True)
-        self._g_tables[:n, :width].copy_(self._h_tables[:n, :width], non_blocking=True)
+        self._g_tables[:n].copy_(self._h_tables[:n], non_blocking=True)
+        if self._h_event is not None:
+            self._h_event.record()
         g.replay()
         return self._graph_out_views[(g.batch, g.num_splits)][:n]
 
