@@ -139,3 +139,14 @@ def test_prefill_errors() -> None:
         paged_prefill(q, kc, vc, cu, sl, bad, 5)
     with pytest.raises(ValueError, match="q"):
         paged_prefill(q.unsqueeze(0), kc, vc, cu, sl, bt, 5)
+
+
+def test_default_prefill_config_by_head_dim_and_device() -> None:
+    from flashpage.ops.paged_prefill import default_prefill_config
+
+    cpu = torch.device("cpu")
+    assert (
+        default_prefill_config(128, cpu, torch.bfloat16).block_m,
+        default_prefill_config(128).block_n,
+    ) == (128, 64)
+    assert default_prefill_config(256, cpu, torch.bfloat16).block_m == 64

@@ -645,10 +645,12 @@ def bench_prefill_shape(
         paged_ms,
         err,
         block_size=bs,
-        config=_cfg_name(default_prefill_config(d)),
+        config=_cfg_name(default_prefill_config(d, device, k_cache.dtype)),
     )
     if st.variants:
-        for bm, bn, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 128, 4, 2)):
+        combos = ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2),
+                  (64, 64, 4, 3), (64, 128, 4, 2))  # fmt: skip
+        for bm, bn, w, s in combos:
             cfg = PagedAttnConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
             try:
                 o = paged(cfg)
