@@ -103,11 +103,13 @@ def _dkdv_tiles(
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
+    DO_DK: tl.constexpr, DO_DV: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dK/dV of one KV tile over the query tiles ``[lo, hi)`` of one query head.
 
     Works in the transposed orientation (``[BLOCK_N, BLOCK_M]`` score tiles) so dK/dV accumulate
-    with plain ``tl.dot``s."""
+    with plain ``tl.dot``s. ``DO_DK`` / ``DO_DV`` select the accumulators (split mode runs the kernel
+    once for each, so a program holds one ``BLOCK_N x d`` float32 accumulator instead of two)."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for m0 in range(lo, hi, BLOCK_M):
         m0 = tl.multiple_of(m0, BLOCK_M)
@@ -131,27 +133,30 @@ def _dkdv_tiles(
                         HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # fmt: skip
         if DROPOUT:
             keep = _keep(seed, rng_base, offs_m[None, :], offs_n[:, None], rng_sk, dropout_p)
-            pdT = tl.where(keep, pT * drop_scale, 0.0)
-        else:
-            pdT = pT
-        dv = tl.dot(pdT.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        if MASKED:
-            delta = tl.load(delta_ptr + offs_m, mask=offs_m < sq, other=0.0)
-        else:
-            delta = tl.load(delta_ptr + offs_m)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        if DROPOUT:
-            dpT = tl.where(keep, dpT * drop_scale, 0.0)
-        dsT = pT * (dpT - delta[None, :])
-        if SOFTCAP:
-            dsT = dsT * (1.0 - t * t)
-        dsT = (dsT * sm_scale).to(q.dtype)
-        dk = tl.dot(dsT, q, dk, input_precision=DOT_PREC)
-        if ATOMIC_DQ:
-            dq_part = tl.dot(tl.trans(dsT), k, input_precision=DOT_PREC)
-            dq_ptrs = dq_ptr + offs_m[:, None] * stride_dqm + offs_d[None, :]
-            tl.atomic_add(dq_ptrs, dq_part, mask=(offs_m[:, None] < sq) & (offs_d[None, :] < HEAD_DIM),
-                          sem="relaxed")  # fmt: skip
+        if DO_DV:
+            if DROPOUT:
+                pdT = tl.where(keep, pT * drop_scale, 0.0)
+            else:
+                pdT = pT
+            dv = tl.dot(pdT.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        if DO_DK:
+            if MASKED:
+                delta = tl.load(delta_ptr + offs_m, mask=offs_m < sq, other=0.0)
+            else:
+                delta = tl.load(delta_ptr + offs_m)
+            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+            if DROPOUT:
+                dpT = tl.where(keep, dpT * drop_scale, 0.0)
+            dsT = pT * (dpT - delta[None, :])
+            if SOFTCAP:
+                dsT = dsT * (1.0 - t * t)
+            dsT = (dsT * sm_scale).to(q.dtype)
+            dk = tl.dot(dsT, q, dk, input_precision=DOT_PREC)
+            if ATOMIC_DQ:
+                dq_part = tl.dot(tl.trans(dsT), k, input_precision=DOT_PREC)
+                dq_ptrs = dq_ptr + offs_m[:, None] * stride_dqm + offs_d[None, :]
+                tl.atomic_add(dq_ptrs, dq_part, mask=(offs_m[:, None] < sq) & (offs_d[None, :] < HEAD_DIM),
+                              sem="relaxed")  # fmt: skip
     return dk, dv
 
 
@@ -167,7 +172,7 @@ def _bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -242,7 +247,7 @@ def _bwd_dkdv_kernel(
                 sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
                 dropout_p, drop_scale, seed, rng_base, seqlen_k,
                 True, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
-                ATOMIC_DQ, USE_TMA, DOT_PREC,
+                ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV,
             )  # fmt: skip
         dk, dv = _dkdv_tiles(  # fully visible query tiles
             dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
@@ -250,7 +255,7 @@ def _bwd_dkdv_kernel(
             sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
             dropout_p, drop_scale, seed, rng_base, seqlen_k,
             False, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
-            ATOMIC_DQ, USE_TMA, DOT_PREC,
+            ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV,
         )  # fmt: skip
         dk, dv = _dkdv_tiles(  # left-window edge / query-sequence end
             dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
@@ -258,14 +263,16 @@ def _bwd_dkdv_kernel(
             sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
             dropout_p, drop_scale, seed, rng_base, seqlen_k,
             True, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
-            ATOMIC_DQ, USE_TMA, DOT_PREC,
+            ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV,
         )  # fmt: skip
 
     st_mask = (offs_n[:, None] < sk) & (offs_d[None, :] < HEAD_DIM)
     dk_ptrs = DK + dk_off + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
     dv_ptrs = DV + dv_off + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=st_mask)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=st_mask)
+    if DO_DK:
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=st_mask)
+    if DO_DV:
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=st_mask)
 
 
 @triton.jit
@@ -462,14 +469,17 @@ def _launch_bwd(
     desc_q = make_row_descriptor(q, vl, cfg.block_m1, d) if use_tma1 else q
     desc_do = make_row_descriptor(dout, vl, cfg.block_m1, d) if use_tma1 else dout
     grid1 = (triton.cdiv(prob.seqlen_k, cfg.block_n1), prob.batch * prob.nheads_k)
-    _bwd_dkdv_kernel[grid1](
-        q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, cq, ck, desc_q, desc_do,
-        *bsh_strides(q, vl), *bsh_strides(k, vl), *bsh_strides(v, vl), *bsh_strides(dout, vl),
-        *bsh_strides(dk, vl), *bsh_strides(dv, vl), *bsh_strides(dq_acc, vl), stride_lb, stride_lh, stride_ab,
-        prob.nheads_k, prob.group, prob.seqlen_q, prob.seqlen_k, *scalars,
-        BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, ATOMIC_DQ=atomic, USE_TMA=use_tma1, **flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    # split_dkdv: one launch for dV, one for dK (+ atomic dQ): one accumulator per program.
+    passes = ((False, True), (True, False)) if cfg.split_dkdv else ((True, True),)
+    for do_dk, do_dv in passes:
+        _bwd_dkdv_kernel[grid1](
+            q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, cq, ck, desc_q, desc_do,
+            *bsh_strides(q, vl), *bsh_strides(k, vl), *bsh_strides(v, vl), *bsh_strides(dout, vl),
+            *bsh_strides(dk, vl), *bsh_strides(dv, vl), *bsh_strides(dq_acc, vl), stride_lb, stride_lh,
+            stride_ab, prob.nheads_k, prob.group, prob.seqlen_q, prob.seqlen_k, *scalars,
+            BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, ATOMIC_DQ=atomic and do_dk, USE_TMA=use_tma1,
+            DO_DK=do_dk, DO_DV=do_dv, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
     if atomic:
         if dq_acc is not dq:
             dq.copy_(dq_acc)

@@ -97,6 +97,8 @@ class BwdConfig:
             adds from the dK/dV kernel; faster on some shapes, not bit-reproducible).
             ``deterministic=True`` always uses ``"separate"``.
         use_tma: TMA descriptor loads of the streamed tiles (Q/dO in dK/dV, K/V in dQ).
+        split_dkdv: compute dV and dK in two launches of the dK/dV kernel (one float32
+            accumulator per program instead of two: fewer registers at d=256, one more Q K^T).
     """
 
     block_m1: int = 32
@@ -109,6 +111,7 @@ class BwdConfig:
     num_stages2: int = 2
     dq_mode: str = "separate"
     use_tma: bool = False
+    split_dkdv: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m1", "block_n1", "block_m2", "block_n2"):
@@ -128,7 +131,7 @@ class BwdConfig:
         return (
             f"kv{self.block_m1}x{self.block_n1}w{self.num_warps}s{self.num_stages}-"
             f"q{self.block_m2}x{self.block_n2}w{self.num_warps2}s{self.num_stages2}-"
-            f"{self.dq_mode}{'-tma' if self.use_tma else ''}"
+            f"{self.dq_mode}{'-tma' if self.use_tma else ''}{'-split' if self.split_dkdv else ''}"
         )
 
 
@@ -348,6 +351,11 @@ def bwd_candidates(head_dim: int, device: torch.device) -> list[BwdConfig]:
             # Not yet measured (2026-12-03): 16 warps double the registers for the two 64 x 256 fp32
             # accumulators (dK, dV), whose spills are the suspected limit of the d=256 backward.
             out += [replace(base[0], num_warps=16, num_warps2=16, use_tma=True)]
+    if dp > 128:  # not yet measured (2026-12-03)
+        out += [
+            replace(base[0], split_dkdv=True, use_tma=tma),
+            replace(base[1], split_dkdv=True, use_tma=tma),
+        ]
     return out
 
 
