@@ -160,3 +160,13 @@ def test_bench_missing_module_and_unknown_arguments(
     with pytest.raises(SystemExit) as e:
         main(["roofline", "--bogus"])
     assert e.value.code == 2
+
+
+def test_git_commit_override_and_dirty_marker(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashpage.bench.common import git_commit
+
+    monkeypatch.setenv("FLASHPAGE_GIT_COMMIT", "0123abcd")
+    assert git_commit() == "0123abcd"
+    monkeypatch.delenv("FLASHPAGE_GIT_COMMIT")
+    c = git_commit()
+    assert c == "unknown" or len(c.removesuffix("+dirty")) == 12

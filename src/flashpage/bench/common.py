@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import re
 import subprocess
 from collections.abc import Callable, Sequence
@@ -39,10 +40,22 @@ def gpu_slug() -> str:
 
 
 def git_commit() -> str:
-    """The checkout's HEAD commit, or ``unknown`` outside git."""
+    """The measured code's commit: ``FLASHPAGE_GIT_COMMIT`` if set (a copy of the tree on another
+    machine may carry a stale ``.git``), else the checkout's HEAD with ``+dirty`` when the tracked
+    files differ from it; ``unknown`` outside git."""
+    env = os.environ.get("FLASHPAGE_GIT_COMMIT")
+    if env:
+        return env
     try:
-        return subprocess.run(
+        head = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=repo_root(),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
             cwd=repo_root(),
             capture_output=True,
             text=True,
@@ -50,6 +63,7 @@ def git_commit() -> str:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{head}+dirty" if dirty else head
 
 
 def env_info(peak_tflops: float | None, peak_tbps: float | None) -> dict[str, Any]:
