@@ -160,7 +160,7 @@ def _dkdv_tiles(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed", "seqlen_q", "seqlen_k"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ, ALIBI, CU_Q, CU_K, desc_q, desc_do,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -313,7 +313,7 @@ def _dq_tiles(
     return dq
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed", "seqlen_q", "seqlen_k"])
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, ALIBI, CU_Q, CU_K, desc_k, desc_v,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,

@@ -211,7 +211,9 @@ def _fwd_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["seed"])
+# Per-step lengths are not specialised on (divisibility by 16, == 1): varying max_seqlen values in
+# the engine would otherwise compile a new variant of this large kernel mid-run.
+@triton.jit(do_not_specialize=["seed", "seqlen_q", "seqlen_k"])
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, desc_q, desc_k, desc_v,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,

@@ -221,7 +221,8 @@ def _attn_kv_loop(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Per-step values (split count, query length) are not specialised on: no mid-run recompiles.
+@triton.jit(do_not_specialize=["num_splits", "q_per_seq"])
 def _paged_attn_kernel(
     Q,
     K,
