@@ -38,7 +38,9 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     v_cache.view(-1, hk, d).index_copy_(0, slots, v[keep].to(v_cache.dtype))
 
 
-def _torch_step_indices(meta: AttentionMetadata, block_size: int, window_left: int) -> dict[str, Tensor]:
+def _torch_step_indices(
+    meta: AttentionMetadata, num_tokens: int, block_size: int, window_left: int
+) -> dict[str, Tensor]:
     """Index tensors of the torch path that depend only on the step (memoised on ``meta.scratch``).
 
     Returns ``table`` ``(B, nblk)`` int64 block ids, ``seq``/``row`` ``(T,)`` padded positions of
@@ -56,8 +58,7 @@ def _torch_step_indices(meta: AttentionMetadata, block_size: int, window_left: i
     klen = meta.seqlens_k.long()
     # Token t of sequence b sits at padded row max_q - qlen[b] + t, so every sequence's last query is
     # the last row (bottom-right alignment); query row r sits at key position klen[b] - max_q + r.
-    total = int(cu[-1]) if max_q > 1 else b
-    tok = torch.arange(total, device=dev)
+    tok = torch.arange(num_tokens, device=dev)
     if max_q == 1:
         seq, row = tok, torch.zeros_like(tok)
     else:
@@ -99,7 +100,7 @@ def torch_paged_attention(
     h = q.shape[1]
     g = h // hk
     max_q, max_k = meta.max_seqlen_q, meta.max_seqlen_k
-    ix = _torch_step_indices(meta, k_cache.shape[1], window_size[0])
+    ix = _torch_step_indices(meta, q.shape[0], k_cache.shape[1], window_size[0])
     table, seq, row, mask = ix["table"], ix["seq"], ix["row"], ix["mask"]
     nblk = table.shape[1]
     # .to(q.dtype): an fp8 cache (unit scales) is read back in the compute dtype.
