@@ -39,6 +39,12 @@ def gpu_slug() -> str:
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=repo_root(), capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
 def git_commit() -> str:
     """The measured code's commit: ``FLASHPAGE_GIT_COMMIT`` if set (a copy of the tree on another
     machine may carry a stale ``.git``), else the checkout's HEAD with ``+dirty`` when the tracked
@@ -47,20 +53,8 @@ def git_commit() -> str:
     if env:
         return env
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"],
-            cwd=repo_root(),
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=repo_root(),
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        head = _git("rev-parse", "--short=12", "HEAD")
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return f"{head}+dirty" if dirty else head
