@@ -381,15 +381,20 @@ class ModelRunner:
         return t.to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     @staticmethod
-    def _block_table_array(tables: Seq[list[int]], width: int) -> np.ndarray:
-        """``(B, width)`` int32 block table; rows cut to ``width`` (a table may already cover tokens
-        that later chunks compute) and right-padded with block 0 (never read)."""
-        width = max(width, 1)
-        arr = np.zeros((len(tables), width), dtype=np.int32)
+    def _fill_block_table(arr: np.ndarray, tables: Seq[list[int]], width: int) -> np.ndarray:
+        """Write each table's first ``width`` block ids into the rows of ``arr`` (a table may already
+        cover tokens that later chunks compute); entries past a row's blocks are left as they are
+        (never read: the kernels stop at each sequence's length). Returns ``arr``."""
         for i, t in enumerate(tables):
             row = t[:width]
             arr[i, : len(row)] = row
         return arr
+
+    @classmethod
+    def _block_table_array(cls, tables: Seq[list[int]], width: int) -> np.ndarray:
+        """``(B, width)`` int32 block table, right-padded with block 0."""
+        width = max(width, 1)
+        return cls._fill_block_table(np.zeros((len(tables), width), dtype=np.int32), tables, width)
 
     @torch.inference_mode()
     def execute(self, scheduled: Seq[ScheduledSeq], copies: Seq[tuple[int, int]] = ()) -> Tensor:
@@ -552,10 +557,7 @@ class ModelRunner:
         hs = self._h_seqlens.numpy()
         hs[:n] = batch.seqlens_k
         hs[n:b] = 1
-        ht = self._h_tables.numpy()
-        for i, t in enumerate(batch.block_tables):
-            row = t[:width]  # a table may already cover tokens that later chunks compute
-            ht[i, : len(row)] = row
+        self._fill_block_table(self._h_tables.numpy(), batch.block_tables, width)
         # Pinned staging -> static device buffers, asynchronously (whole rows: contiguous sources; the
         # table entries past a sequence's own blocks are never read).
         self._g_ids[:b].copy_(self._h_ids[0, :b], non_blocking=True)

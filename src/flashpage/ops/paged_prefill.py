@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flashpage.ops.flash_configs import gpu_family
 from flashpage.ops.paged_decode import (
     PagedAttnConfig,
     check_paged_cache,
@@ -40,7 +41,7 @@ def default_prefill_config(
     prefix, GQA 32/8, two runs, benchmarks/results/decode-h200.json)."""
     if head_dim > 128:
         return PagedAttnConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
-    hopper = device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    hopper = device is not None and gpu_family(device) == "hopper"
     if hopper and kv_dtype in (torch.float16, torch.bfloat16):
         return PagedAttnConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
     return PagedAttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
