@@ -170,6 +170,23 @@ def test_torch_compile_fullgraph_with_autograd() -> None:
 
 
 @pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile"])
+def test_expanded_output_gradient(compiled: bool) -> None:
+    """``out.sum()`` hands the backward an expanded (stride-0) gradient: eager and compiled paths
+    must give the reference gradients."""
+    q, k, v = make_qkv(1, 16, 16, 2, 1, 32, grad=True)
+
+    def loss_fn(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return flash_attn_func(q, k, v, causal=True).sum()  # type: ignore[union-attr]
+
+    fn = torch.compile(loss_fn, backend="aot_eager", fullgraph=True) if compiled else loss_fn
+    g = torch.autograd.grad(fn(q, k, v), (q, k, v))
+    rg = torch.autograd.grad(attention_ref(q, k, v, causal=True)[0].sum(), (q, k, v))
+    for a, r in zip(g, rg):
+        close(a, r, atol=1e-4)
+
+
+@pytest.mark.usefixtures("triton_backend")
 def test_custom_op_opcheck() -> None:
     q, k, v = make_qkv(1, 16, 16, 2, 1, 32, grad=True)
     args = (q, k, v, None, None, 0, 0, 0.0, 0.25, True, -1, -1, 0.0, None, False, False)

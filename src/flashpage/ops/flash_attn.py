@@ -26,6 +26,8 @@ It is materialised by a separate kernel and is meant for tests at small sizes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -163,13 +165,23 @@ def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, outp
     ctx.args = (max_sq, max_sk, p, scale, causal, wl, wr, cap, det)  # type: ignore[attr-defined]
 
 
-def _backward(ctx: torch.autograd.function.FunctionCtx, dout: Tensor, *_unused: Tensor) -> tuple:
+def _grads_from_ctx(
+    ctx: torch.autograd.function.FunctionCtx, dout: Tensor, backward: Callable[..., Any]
+) -> tuple:
+    """Gradients of every forward input (``None`` for the non-tensor ones) from what
+    :func:`_setup_context` saved; ``backward`` is the custom op or its bare implementation
+    (:func:`flash_bwd` copies a ``dout`` without a unit last-dim stride itself)."""
     q, k, v, out, lse, rng, cu_q, cu_k, alibi = ctx.saved_tensors  # type: ignore[attr-defined]
     max_sq, max_sk, p, scale, causal, wl, wr, cap, det = ctx.args  # type: ignore[attr-defined]
-    dq, dk, dv = _flash_attn_backward(
-        dout, q, k, v, out, lse, rng, cu_q, cu_k, max_sq, max_sk, p, scale, causal, wl, wr, cap, alibi, det
-    )
+    dq, dk, dv = backward(
+        dout, q, k, v, out, lse, rng, cu_q, cu_k, max_sq, max_sk, p, scale, causal, wl, wr,
+        cap, alibi, det,
+    )  # fmt: skip
     return (dq, dk, dv) + (None,) * 13
+
+
+def _backward(ctx: torch.autograd.function.FunctionCtx, dout: Tensor, *_unused: Tensor) -> tuple:
+    return _grads_from_ctx(ctx, dout, _flash_attn_backward)
 
 
 torch.library.register_autograd("flashpage::flash_attn_forward", _backward, setup_context=_setup_context)
@@ -192,13 +204,7 @@ class _FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, dout: Tensor, *_unused: Tensor) -> tuple:  # type: ignore[override]
-        q, k, v, out, lse, rng, cu_q, cu_k, alibi = ctx.saved_tensors  # type: ignore[attr-defined]
-        max_sq, max_sk, p, scale, causal, wl, wr, cap, det = ctx.args  # type: ignore[attr-defined]
-        dq, dk, dv = _backward_impl(
-            dout.contiguous(), q, k, v, out, lse, rng, cu_q, cu_k, max_sq, max_sk, p, scale, causal, wl, wr,
-            cap, alibi, det,
-        )  # fmt: skip
-        return (dq, dk, dv) + (None,) * 13
+        return _grads_from_ctx(ctx, dout, _backward_impl)
 
 
 def _triton_forward(*args: object) -> tuple[Tensor, Tensor, Tensor, Tensor]:
