@@ -389,7 +389,7 @@ def print_autotuned_table(longest: int) -> None:
     """
     from flashpage.ops.flash_configs import padded_head_dim, tuned_configs
 
-    tables: dict[str, dict[tuple[int, bool, str], Any]] = {"fwd": {}, "bwd": {}}
+    tables: dict[str, dict[tuple[int, bool, Any], Any]] = {"fwd": {}, "bwd": {}}
     for key, cfg in tuned_configs().items():
         kind, rest = str(key[0]), key[1:]
         if kind == "bwd":
@@ -399,13 +399,22 @@ def print_autotuned_table(longest: int) -> None:
         _gpu, _dtype, d, _group, varlen, causal, wl, wr, cap, alibi, drop, _bq, bk = rest
         if varlen or wl or (wr and not causal) or cap or alibi or drop:  # causal sets window_right = 0
             continue
-        bucket = "ANY_SEQLEN" if int(bk) >= longest else str(bk)  # type: ignore[call-overload]
+        bucket = "ANY_SEQLEN" if int(bk) >= longest else int(bk)  # type: ignore[call-overload]
         tables[kind][(padded_head_dim(int(d)), bool(causal), bucket)] = cfg  # type: ignore[call-overload]
-    print("\n# autotuned configs (FLASHPAGE_AUTOTUNE=1), paste into src/flashpage/ops/flash_configs.py")
-    for kind, name in (("fwd", "HOPPER_FWD"), ("bwd", "HOPPER_BWD")):
-        items = sorted(
-            tables[kind].items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "ANY_SEQLEN", kv[0][2])
-        )
+    _print_config_tables("autotuned configs (FLASHPAGE_AUTOTUNE=1)", tables["fwd"], tables["bwd"])
+
+
+def _print_config_tables(title: str, fwd: dict[tuple[int, bool, Any], Any], bwd: dict[tuple[int, bool, Any], Any]) -> None:  # fmt: skip
+    """Print ``HOPPER_FWD`` / ``HOPPER_BWD`` dict literals (keys ``(head dim, causal, bucket)``)."""
+    print(f"\n# {title}, paste into src/flashpage/ops/flash_configs.py")
+    for name, table in (("HOPPER_FWD", fwd), ("HOPPER_BWD", bwd)):
+        # Per (head dim, causal): numeric buckets in order, then ANY_SEQLEN (the table's layout).
+        items = sorted(table.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] == "ANY_SEQLEN", kv[0][2] if isinstance(kv[0][2], int) else 0))  # fmt: skip
+        # A bucket whose config equals the next larger bucket's adds nothing to table_lookup.
+        items = [
+            (k, c) for i, (k, c) in enumerate(items)
+            if i + 1 == len(items) or items[i + 1][0][:2] != k[:2] or items[i + 1][1] != c
+        ]  # fmt: skip
         body = "".join(f"    ({k[0]}, {k[1]}, {k[2]}): {_config_literal(c)},\n" for k, c in items)
         print(f"{name} = {{\n{body}}}", flush=True)
 
@@ -512,8 +521,10 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(rows)
 
     if args.variants:
-        best_f: dict[tuple[int, bool, int], Any] = {}
-        best_b: dict[tuple[int, bool, int], Any] = {}
+        from flashpage.ops.flash_configs import padded_head_dim
+
+        best_f: dict[tuple[int, bool, Any], Any] = {}
+        best_b: dict[tuple[int, bool, Any], Any] = {}
         longest = max(s.seqlen for s in st.shapes)
         for shape in st.shapes:
             print(f"variants d={shape.d} s={shape.seqlen} causal={shape.causal}", flush=True)
@@ -521,22 +532,12 @@ def main(argv: list[str] | None = None) -> int:
                 _, bf, bb = bench_variants(shape, device, sweep_ms, 2 if st.smoke else None)
             # The longest swept length stands for every longer one (flash_configs.table_lookup).
             bucket = "ANY_SEQLEN" if shape.seqlen == longest else shape.seqlen
-            key = (max(32, 1 << (shape.d - 1).bit_length()), shape.causal, bucket)
+            key = (padded_head_dim(shape.d), shape.causal, bucket)
             if bf is not None:
                 best_f[key] = bf
             if bb is not None:
                 best_b[key] = bb
-        print("\n# best configs, paste into src/flashpage/ops/flash_configs.py")
-        print(
-            "HOPPER_FWD = {\n"
-            + "".join(f"    ({k[0]}, {k[1]}, {k[2]}): {_config_literal(c)},\n" for k, c in best_f.items())
-            + "}"
-        )
-        print(
-            "HOPPER_BWD = {\n"
-            + "".join(f"    ({k[0]}, {k[1]}, {k[2]}): {_config_literal(c)},\n" for k, c in best_b.items())
-            + "}"
-        )
+        _print_config_tables("best configs", best_f, best_b)
 
     from flashpage.ops.flash_configs import autotune_enabled
 
