@@ -17,6 +17,8 @@ SEPARATE = BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, "separate")
 ATOMIC = BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, "atomic")
 SEPARATE_TMA = BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, "separate", use_tma=True)
 ATOMIC_TMA = BwdConfig(16, 32, 16, 16, 4, 1, 4, 1, "atomic", use_tma=True)
+# TMA bulk reduce-adds of dQ on a GPU; the scalar-atomic fallback under the interpreter.
+ATOMIC_BULK = BwdConfig(16, 32, 16, 16, 4, 1, 4, 1, "atomic_tma", use_tma=True)
 
 
 def ref_grads(
@@ -64,7 +66,9 @@ def test_backward_matches_reference(b: int, sq: int, sk: int, h: int, hk: int, d
     check_grads(q, k, v, alibi_slopes=alibi, **opts)
 
 
-@pytest.mark.parametrize("cfg", [ATOMIC, SEPARATE_TMA, ATOMIC_TMA], ids=["atomic", "tma", "atomic-tma"])
+@pytest.mark.parametrize(
+    "cfg", [ATOMIC, SEPARATE_TMA, ATOMIC_TMA, ATOMIC_BULK], ids=["atomic", "tma", "atomic-tma", "atomic-bulk"]
+)
 def test_backward_dq_modes_and_tma(cfg: BwdConfig) -> None:
     q, k, v = make_qkv(1, 35, 27, 4, 2, 64)
     check_grads(q, k, v, cfg=cfg, causal=True)
@@ -105,7 +109,7 @@ def test_backward_varlen_uneven() -> None:
     q, k, v, cq, ck = make_varlen(lens_q, lens_k, 4, 2, 32, pad=2)
     kw = {"cu_seqlens_q": cq, "cu_seqlens_k": ck, "max_seqlen_q": 22, "max_seqlen_k": 22, "causal": True}
     do = torch.randn_like(q)
-    for cfg in (SEPARATE, ATOMIC):
+    for cfg in (SEPARATE, ATOMIC, ATOMIC_BULK):
         out, lse = flash_fwd(q, k, v, **kw)  # type: ignore[arg-type]
         dq, dk, dv = flash_bwd(do, q, k, v, out, lse, config=cfg, **kw)  # type: ignore[arg-type]
         qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))

@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -209,11 +209,19 @@ def _variant_configs(fp8: bool) -> list[Any]:
     else:
         # Stages only matter where Triton can prefetch past the block-table indirection: two probes.
         combos = [(bn, w, 2) for bn in (32, 64, 128) for w in (4, 8)] + [(64, 4, 3), (128, 8, 3)]
-    return [PagedAttnConfig(block_n=bn, num_warps=w, num_stages=s) for bn, w, s in combos]
+    cfgs = [PagedAttnConfig(block_n=bn, num_warps=w, num_stages=s) for bn, w, s in combos]
+    # The default tiles with each latency knob (fused split combine, early V load, register cap).
+    d0 = cfgs[0] if fp8 else PagedAttnConfig()
+    knobs = [{"fused_combine": True}, {"early_v": True}, {"maxnreg": 128}, {"early_v": True, "fused_combine": True},
+             {"maxnreg": 128, "fused_combine": True}]  # fmt: skip
+    if fp8:
+        d0 = PagedAttnConfig(block_n=128, num_warps=8, num_stages=2)
+        knobs = knobs[:2]
+    return cfgs + [replace(d0, **kw) for kw in knobs]
 
 
 def _cfg_name(cfg: Any) -> str:
-    return f"bn{cfg.block_n}-w{cfg.num_warps}-s{cfg.num_stages}"
+    return str(cfg.short())
 
 
 def bench_decode_shape(
@@ -295,7 +303,9 @@ def bench_decode_shape(
 
     if st.variants:
         best = None
-        cands = sorted({1, max(1, plan.num_splits // 2), plan.num_splits, min(128, 2 * plan.num_splits)})
+        ns0 = plan.num_splits
+        # Also 2 and 4 splits: with few programs per SM, the program count decides the last wave.
+        cands = sorted({1, 2, 4, max(1, ns0 // 2), ns0, min(128, 2 * ns0)})
         for cfg in _variant_configs(False):
             for ns in cands:
                 p = plan_decode(
@@ -670,6 +680,38 @@ def bench_prefill_shape(
                         block_size=bs,
                         config=f"bm{bm}-{_cfg_name(cfg)}",
                     )
+    big_page_rows: list[dict[str, Any]] = []
+    big = 128
+    if st.variants and ctx % big == 0 and bs < big:
+        # The same K/V in 128-token pages (random page order): a KV tile then lies inside one page,
+        # which TMA descriptors can load (use_tma) -- the cost of the 16-token gather, measured.
+        pages = ctx // big
+        perm = torch.randperm(b * pages, device=device)
+        kc2 = torch.empty(b * pages + 1, big, hk, d, device=device, dtype=dt)
+        vc2 = torch.empty_like(kc2)
+        kc2[perm] = k_flat.view(b * pages, big, hk, d)
+        vc2[perm] = v_flat.view(b * pages, big, hk, d)
+        bt2 = perm.view(b, pages).to(torch.int32)
+        for bm, bn, w, st_, tma in ((128, 128, 8, 2, False), (128, 128, 8, 2, True), (128, 64, 8, 3, True),
+                                    (128, 128, 8, 3, True)):  # fmt: skip
+            cfg = PagedAttnConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st_, use_tma=tma)
+            fn = lambda cfg=cfg: paged_prefill(
+                q, kc2, vc2, cu_q, seqlens, bt2, new, softmax_scale=scale, causal=True,
+                max_seqlen_k=ctx, config=cfg, validate=False,
+            )  # fmt: skip
+            try:
+                o = fn()
+            except Exception as exc:  # out of shared memory on this GPU, etc.
+                notes.append(f"paged prefill bs{big} bm{bm}-{_cfg_name(cfg)}: {type(exc).__name__}")
+                continue
+            e = _max_err(o, ref)
+            if e > _TOL:
+                notes.append(f"paged prefill bs{big} bm{bm}-{_cfg_name(cfg)}: max err {e:.3g}")
+                continue
+            label = f"bm{bm}-{_cfg_name(cfg)}"
+            big_page_rows.append(
+                row("flashpage", f"paged-prefill-bs{big}", time_ms(fn), e, block_size=big, config=label)
+            )
     try:
         from flashpage.ops.flash_attn import flash_attn_varlen_fwd
     except ImportError:
@@ -692,6 +734,8 @@ def bench_prefill_shape(
             t = time_ms(fwd)
             row("flashpage", "flash-varlen", t, e)
             r_paged["ratio_vs_flash"] = t / paged_ms
+            for r in big_page_rows:
+                r["ratio_vs_flash"] = t / r["ms"]
     if device.type == "cuda":
         # SDPA's own lower-right causal variant (the memory-efficient kernel; flash/cuDNN take only
         # top-left causal masks), on the head-expanded K/V.

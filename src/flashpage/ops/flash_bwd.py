@@ -11,7 +11,8 @@ the softcap contributes its derivative ``1 - tanh^2`` and the softmax scale is a
   tiles entirely above the causal diagonal / outside the window are skipped, fully visible tiles run
   without mask arithmetic). So dK/dV of a KV head are summed over its group inside the kernel,
   without atomics. With ``dq_mode="atomic"`` it also adds ``dS K`` into a float32 dQ buffer with
-  atomics (fewer FLOPs, not bit-reproducible).
+  atomics (fewer FLOPs, not bit-reproducible); ``"atomic_tma"`` does that with one TMA bulk
+  reduce-add per tile (Hopper+; how FlashAttention-3 accumulates dQ).
 * :func:`_bwd_dq_kernel` — grid ``(cdiv(max_seqlen_q, block_m2), batch * nheads)``: a program keeps
   ``block_m2`` rows of Q, dO, LSE, delta and loops over the visible KV tiles (same three-part split as
   the forward). No atomics: ``deterministic=True`` gives bit-identical dQ/dK/dV run to run.
@@ -96,14 +97,14 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, q_row0, q_col, lse_ptr, delta_ptr, dq_ptr,
+    dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, desc_dq, q_row0, q_col, lse_ptr, delta_ptr, dq_ptr,
     lo, hi, offs_n, offs_d, stride_qm, stride_dom, stride_dqm, sq, sk, off,
     sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
     dropout_p, drop_scale, seed, rng_base, rng_sk,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
-    DO_DK: tl.constexpr, DO_DV: tl.constexpr,
+    DO_DK: tl.constexpr, DO_DV: tl.constexpr, DQ_TMA: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dK/dV of one KV tile over the query tiles ``[lo, hi)`` of one query head.
 
@@ -154,15 +155,21 @@ def _dkdv_tiles(
             dk = tl.dot(dsT, q, dk, input_precision=DOT_PREC)
             if ATOMIC_DQ:
                 dq_part = tl.dot(tl.trans(dsT), k, input_precision=DOT_PREC)
-                dq_ptrs = dq_ptr + offs_m[:, None] * stride_dqm + offs_d[None, :]
-                tl.atomic_add(dq_ptrs, dq_part, mask=(offs_m[:, None] < sq) & (offs_d[None, :] < HEAD_DIM),
-                              sem="relaxed")  # fmt: skip
+                if DQ_TMA:
+                    # One bulk fp32 reduce-add of the tile in L2 (cp.reduce.async.bulk.tensor) instead
+                    # of BLOCK_M x d scalar atomics. Rows past this sequence's end hold exact zeros
+                    # (P is masked there), so spilling them into the next sequence's rows adds 0.
+                    desc_dq.atomic_add([q_row0 + m0, q_col], dq_part)
+                else:
+                    dq_ptrs = dq_ptr + offs_m[:, None] * stride_dqm + offs_d[None, :]
+                    tl.atomic_add(dq_ptrs, dq_part, mask=(offs_m[:, None] < sq) & (offs_d[None, :] < HEAD_DIM),
+                                  sem="relaxed")  # fmt: skip
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["seed", "seqlen_q", "seqlen_k"])
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, ALIBI, CU_Q, CU_K, desc_q, desc_do,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, ALIBI, CU_Q, CU_K, desc_q, desc_do, desc_dq,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh, stride_dqb, stride_dqm, stride_dqh,
@@ -172,7 +179,7 @@ def _bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PREC: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
+    DOT_PREC: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr, DQ_TMA: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -242,28 +249,28 @@ def _bwd_dkdv_kernel(
         rng_base = (b * nheads + h).to(tl.int64) * seqlen_q
         if HAS_RIGHT:  # the diagonal / right-window edge
             dk, dv = _dkdv_tiles(
-                dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
+                dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, desc_dq, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
                 dq_ptr, m_lo, tl.minimum(fs, m_hi), offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
                 sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
                 dropout_p, drop_scale, seed, rng_base, seqlen_k,
                 True, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
-                ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV,
+                ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV, DQ_TMA,
             )  # fmt: skip
         dk, dv = _dkdv_tiles(  # fully visible query tiles
-            dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
+            dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, desc_dq, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
             dq_ptr, fs, fe, offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
             sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
             dropout_p, drop_scale, seed, rng_base, seqlen_k,
             False, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
-            ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV,
+            ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV, DQ_TMA,
         )  # fmt: skip
         dk, dv = _dkdv_tiles(  # left-window edge / query-sequence end
-            dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
+            dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, desc_dq, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
             dq_ptr, tl.maximum(fe, fs), m_hi, offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
             sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
             dropout_p, drop_scale, seed, rng_base, seqlen_k,
             True, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
-            ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV,
+            ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV, DQ_TMA,
         )  # fmt: skip
 
     st_mask = (offs_n[:, None] < sk) & (offs_d[None, :] < HEAD_DIM)
@@ -453,7 +460,7 @@ def _launch_bwd(
     )  # fmt: skip
     alibi, stride_ab = alibi_args(alibi_slopes, q)
     tma_ok = cfg.use_tma and tma_supported(q.device)
-    atomic = cfg.dq_mode == "atomic"
+    atomic = cfg.dq_mode in ("atomic", "atomic_tma")
     # Atomic dQ accumulates in float32; a float32 dq is its own accumulator.
     dq_acc = (
         (
@@ -468,17 +475,26 @@ def _launch_bwd(
     use_tma1 = tma_ok and tma_row_view_ok(q, vl, d) and tma_row_view_ok(dout, vl, d)
     desc_q = make_row_descriptor(q, vl, cfg.block_m1, d) if use_tma1 else q
     desc_do = make_row_descriptor(dout, vl, cfg.block_m1, d) if use_tma1 else dout
+    # Bulk TMA reduce-adds need the real hardware (the 3.9 interpreter has no descriptor reductions):
+    # elsewhere "atomic_tma" runs the scalar-atomic path (same arithmetic).
+    dq_tma = (
+        cfg.dq_mode == "atomic_tma"
+        and q.device.type == "cuda"
+        and tma_supported(q.device)
+        and tma_row_view_ok(dq_acc, vl, d)
+    )
+    desc_dq = make_row_descriptor(dq_acc, vl, cfg.block_m1, d) if dq_tma else dq_acc
     grid1 = (triton.cdiv(prob.seqlen_k, cfg.block_n1), prob.batch * prob.nheads_k)
     # split_dkdv: one launch for dV, one for dK (+ atomic dQ): one accumulator per program.
     passes = ((False, True), (True, False)) if cfg.split_dkdv else ((True, True),)
     for do_dk, do_dv in passes:
         _bwd_dkdv_kernel[grid1](
-            q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, cq, ck, desc_q, desc_do,
+            q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, cq, ck, desc_q, desc_do, desc_dq,
             *bsh_strides(q, vl), *bsh_strides(k, vl), *bsh_strides(v, vl), *bsh_strides(dout, vl),
             *bsh_strides(dk, vl), *bsh_strides(dv, vl), *bsh_strides(dq_acc, vl), stride_lb, stride_lh,
             stride_ab, prob.nheads_k, prob.group, prob.seqlen_q, prob.seqlen_k, *scalars,
             BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, ATOMIC_DQ=atomic and do_dk, USE_TMA=use_tma1,
-            DO_DK=do_dk, DO_DV=do_dv, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            DO_DK=do_dk, DO_DV=do_dv, DQ_TMA=dq_tma, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if atomic:
         if dq_acc is not dq:

@@ -46,7 +46,7 @@ __all__ = [
     "tuned_configs",
 ]
 
-_DQ_MODES = ("separate", "atomic")
+_DQ_MODES = ("separate", "atomic", "atomic_tma")
 
 
 @dataclass(frozen=True)
@@ -93,9 +93,10 @@ class BwdConfig:
             inner step (unused with ``dq_mode="atomic"``).
         num_warps, num_stages: dK/dV kernel launch parameters.
         num_warps2, num_stages2: dQ kernel launch parameters.
-        dq_mode: ``"separate"`` (own kernel, no atomics, deterministic) or ``"atomic"`` (fp32 atomic
-            adds from the dK/dV kernel; faster on some shapes, not bit-reproducible).
-            ``deterministic=True`` always uses ``"separate"``.
+        dq_mode: ``"separate"`` (own kernel, no atomics, deterministic), ``"atomic"`` (fp32 atomic
+            adds from the dK/dV kernel: 5 instead of 7 matmuls per tile pair, not bit-reproducible) or
+            ``"atomic_tma"`` (the same through one TMA bulk reduce-add per tile, Hopper+; the scalar
+            atomics elsewhere). ``deterministic=True`` always uses ``"separate"``.
         use_tma: TMA descriptor loads of the streamed tiles (Q/dO in dK/dV, K/V in dQ).
         split_dkdv: compute dV and dK in two launches of the dK/dV kernel (one float32
             accumulator per program instead of two: fewer registers at d=256, one more Q K^T).
@@ -315,6 +316,9 @@ def bwd_candidates(head_dim: int, device: torch.device) -> list[BwdConfig]:
             BwdConfig(64, 128, 128, 64, 8, 2, 8, 2),
             BwdConfig(32, 64, 64, 64, 4, 3, 4, 3),
             BwdConfig(16, 128, 128, 32, 8, 4, 8, 3),
+            # FlexAttention's sm90 default for d <= 128 (its backward reached 413 TFLOP/s at 16k
+            # non-causal on the H200, 2026-12-03); not yet measured here.
+            BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
         ]
     else:
         # d=256: 64 x 64 tiles with 8 warps beat smaller ones 1.4-1.9x on the H200 (2026-12-03).
@@ -329,6 +333,11 @@ def bwd_candidates(head_dim: int, device: torch.device) -> list[BwdConfig]:
     out += [replace(c, dq_mode="atomic") for c in base[:2]]
     if tma:
         out += [replace(c, use_tma=True) for c in base[:2]]
+        if dp <= 128:
+            # Not yet measured (2026-12-03): dQ by TMA bulk reduce-adds (5 matmuls per tile pair instead
+            # of 7, FlashAttention-3's scheme); at d=256 the extra fp32 dQ tile does not fit in registers.
+            out += [replace(c, use_tma=True, dq_mode="atomic_tma") for c in (base[0], base[1], base[2])]
+            out += [replace(base[-1], use_tma=True)]
         if dp > 128:
             # Not yet measured (2026-12-03): 16 warps double the registers for the two 64 x 256 fp32
             # accumulators (dK, dV), whose spills are the suspected limit of the d=256 backward.

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from flashpage.ops.backend import interpreter_enabled
 from flashpage.ops.cache_write import is_fp8_dtype, validate_scale
+from flashpage.ops.flash_configs import tma_supported
 from flashpage.roofline.planner import choose_num_splits  # the roofline planner's split-KV rule
 
 __all__ = [
@@ -66,12 +67,26 @@ class PagedAttnConfig:
         block_n: KV tokens per tile, a power of two >= 16.
         num_warps: warps per program.
         num_stages: software-pipelining depth of the KV loads.
+        fused_combine: with split-KV, the last split program of each (sequence, KV head, query tile) to
+            finish merges the splits itself (an atomic arrival counter in the workspace) instead of a
+            second kernel launch.
+        early_v: issue each tile's V load together with its K load (twice the bytes in flight per
+            program, more registers) instead of after the softmax.
+        maxnreg: register cap per thread passed to the compiler (``0``: its choice); fewer registers
+            allow more resident programs per SM.
+        use_tma: read mask-free KV tiles through TMA descriptors when a tile lies inside one page
+            (``block_size >= block_n``; Hopper+, contiguous 16-byte aligned caches); pointer loads
+            otherwise.
     """
 
     block_m: int = 0
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    fused_combine: bool = False
+    early_v: bool = False
+    maxnreg: int = 0
+    use_tma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps"):
@@ -84,6 +99,15 @@ class PagedAttnConfig:
             raise ValueError(f"PagedAttnConfig.block_m must be 0 or a power of two >= 16, got {self.block_m}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"PagedAttnConfig.num_stages must be a positive int, got {self.num_stages!r}")
+        if not isinstance(self.maxnreg, int) or not (self.maxnreg == 0 or 32 <= self.maxnreg <= 255):
+            raise ValueError(f"PagedAttnConfig.maxnreg must be 0 or in [32, 255], got {self.maxnreg!r}")
+
+    def short(self) -> str:
+        """Compact label for benchmark tables."""
+        extra = ("-fc" if self.fused_combine else "") + ("-ev" if self.early_v else "")
+        extra += f"-r{self.maxnreg}" if self.maxnreg else ""
+        extra += "-tma" if self.use_tma else ""
+        return f"n{self.block_n}w{self.num_warps}s{self.num_stages}{extra}"
 
 
 def default_decode_config(kv_dtype: torch.dtype, head_dim: int) -> PagedAttnConfig:
@@ -132,6 +156,9 @@ def _attn_kv_loop(
     q,
     K,
     V,
+    desc_k,
+    desc_v,
+    kv_col,
     bt_row,
     kv_row,
     start,
@@ -158,6 +185,8 @@ def _attn_kv_loop(
     CONVERT_KV: tl.constexpr,
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    EARLY_V: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Online-softmax over KV tiles ``[start, end)`` (``start`` a multiple of ``BLOCK_N``).
 
@@ -184,7 +213,19 @@ def _attn_kv_loop(
             k_off = blk * stride_kb + in_page * stride_kt
             v_off = blk * stride_vb + in_page * stride_vt
         n_ok = j < ctx
-        k = _load_tile(K + k_off[:, None] + offs_d[None, :], n_ok, d_ok, MASK, EVEN_D)
+        # TMA: only mask-free tiles inside one page (a masked tile's rows past the sequence end may
+        # hold never-written slots, which a masked pointer load reads as 0 and TMA would not).
+        TMA_TILE: tl.constexpr = USE_TMA and PAGE_SIZE >= BLOCK_N and not MASK
+        if TMA_TILE:
+            cache_row = (blk * PAGE_SIZE + start_n % PAGE_SIZE).to(tl.int32)
+            k = desc_k.load([cache_row, kv_col])
+        else:
+            k = _load_tile(K + k_off[:, None] + offs_d[None, :], n_ok, d_ok, MASK, EVEN_D)
+        if EARLY_V:
+            if TMA_TILE:
+                v = desc_v.load([cache_row, kv_col])
+            else:
+                v = _load_tile(V + v_off[:, None] + offs_d[None, :], n_ok, d_ok, MASK, EVEN_D)
         if CONVERT_KV:
             k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -213,7 +254,11 @@ def _attn_kv_loop(
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(V + v_off[:, None] + offs_d[None, :], n_ok, d_ok, MASK, EVEN_D)
+        if not EARLY_V:
+            if TMA_TILE:
+                v = desc_v.load([cache_row, kv_col])
+            else:
+                v = _load_tile(V + v_off[:, None] + offs_d[None, :], n_ok, d_ok, MASK, EVEN_D)
         if CONVERT_KV:
             v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -227,10 +272,13 @@ def _paged_attn_kernel(
     Q,
     K,
     V,
+    desc_k,
+    desc_v,
     Out,
     Lse,
     MidO,
     MidLse,
+    Arrivals,
     BlockTable,
     SeqlensK,
     CuSeqlensQ,
@@ -278,6 +326,9 @@ def _paged_attn_kernel(
     WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    EARLY_V: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -362,19 +413,19 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _attn_kv_loop(
-        acc, l_i, m_i, q, Kh, Vh, bt_row, kv_row, s_lo, a_end, ctx, pos, slopes, qk_scale, softcap_log2,
+        acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, s_lo, a_end, ctx, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_n, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt,
-        BLOCK_N, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION,
+        BLOCK_N, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA,
     )  # fmt: skip
     acc, l_i, m_i = _attn_kv_loop(
-        acc, l_i, m_i, q, Kh, Vh, bt_row, kv_row, a_end, b_end, ctx, pos, slopes, qk_scale, softcap_log2,
+        acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, a_end, b_end, ctx, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_n, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt,
-        BLOCK_N, PAGE_SIZE, False, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION,
+        BLOCK_N, PAGE_SIZE, False, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA,
     )  # fmt: skip
     acc, l_i, m_i = _attn_kv_loop(
-        acc, l_i, m_i, q, Kh, Vh, bt_row, kv_row, b_end, s_hi, ctx, pos, slopes, qk_scale, softcap_log2,
+        acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, b_end, s_hi, ctx, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_n, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt,
-        BLOCK_N, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION,
+        BLOCK_N, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA,
     )  # fmt: skip
 
     nonempty = l_i > 0.0
@@ -393,11 +444,62 @@ def _paged_attn_kernel(
         )
         tl.store(mo, o, mask=out_mask)
         tl.store(MidLse + tok * stride_mlt + head * stride_mlh + split, lse2, mask=row_ok)
+        if FUSED_COMBINE:
+            # Arrival counter of this (sequence, KV head, query tile): the barrier orders every
+            # thread's partial stores before the (gpu-scope, acq_rel) atomic; the last split to
+            # arrive merges all of them and resets the counter for the next launch (graph replay).
+            tl.debug_barrier()
+            n_tiles_q = tl.num_programs(0) // num_splits
+            arrival = Arrivals + (b * tl.num_programs(1) + kvh) * n_tiles_q + tile
+            prev = tl.atomic_add(arrival, 1, sem="acq_rel")
+            if prev == num_splits - 1:
+                tl.debug_barrier()
+                _merge_splits(
+                    MidO, MidLse, Out, Lse, tok, head, row_ok, offs_d, d_ok, num_splits,
+                    stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
+                    stride_ot, stride_oh, stride_lh, stride_lt, BLOCK_M, BLOCK_D, WRITE_LSE,
+                )  # fmt: skip
+                tl.atomic_xchg(arrival, 0)
     else:
         optr = Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(optr, o.to(Out.dtype.element_ty), mask=out_mask)
         if WRITE_LSE:
             tl.store(Lse + head * stride_lh + tok * stride_lt, lse2 * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(
+    MidO, MidLse, Out, Lse, tok, head, row_ok, offs_d, d_ok, num_splits,
+    stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
+    stride_ot, stride_oh, stride_lh, stride_lt,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr,
+):  # fmt: skip
+    """Merge the ``num_splits`` partials of ``BLOCK_M`` (token, head) rows by a running max of their
+    log2-sum-exps (empty splits, lse = -inf, weigh 0). ``.cg`` loads: read other SMs' writes from L2."""
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    mask = row_ok[:, None] & d_ok[None, :]
+    for s in range(0, num_splits):
+        ls = tl.load(MidLse + tok * stride_mlt + head * stride_mlh + s, mask=row_ok, other=float("-inf"),
+                     cache_modifier=".cg")  # fmt: skip
+        o_s = tl.load(MidO + tok[:, None] * stride_mot + head[:, None] * stride_moh + s * stride_mos
+                      + offs_d[None, :], mask=mask, other=0.0, cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m, ls)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        w = tl.exp2(ls - m_use)
+        acc = acc * alpha[:, None] + o_s * w[:, None]
+        den = den * alpha + w
+        m = m_new
+    ok = den > 0.0
+    out = acc / tl.where(ok, den, 1.0)[:, None]
+    tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=mask)  # fmt: skip
+    if WRITE_LSE:
+        m_fin = tl.where(m == float("-inf"), 0.0, m)
+        lse = tl.where(ok, (m_fin + tl.log2(tl.where(ok, den, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(Lse + head * stride_lh + tok * stride_lt, lse, mask=row_ok)
 
 
 @triton.jit
@@ -445,6 +547,33 @@ def _combine_kernel(
         tl.store(Lse + h * stride_lh + tok * stride_lt, lse_out)
 
 
+def _tma_cache_ok(k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Both caches can be read as ``(num_blocks * block_size, nheads_k * d)`` rows through TMA:
+    contiguous, 16-byte aligned, power-of-two head dim, TMA on this device (Hopper+ or interpreter)."""
+    if not tma_supported(k_cache.device):
+        return False
+    for c in (k_cache, v_cache):
+        d = c.shape[-1]
+        if (
+            not c.is_contiguous()
+            or d & (d - 1)
+            or d < 16
+            or c.data_ptr() % 16
+            or (c.shape[2] * d * c.element_size()) % 16
+        ):
+            return False
+    return True
+
+
+def _cache_descriptor(cache: Tensor, block_n: int) -> object:
+    """2-D TMA descriptor over a contiguous paged cache with ``[block_n, d]`` boxes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    nb, bs, hk, d = cache.shape
+    # Positional arguments: the constructor's keyword set differs between triton 3.6 and 3.9.
+    return TensorDescriptor(cache, [nb * bs, hk * d], [hk * d, 1], [block_n, d])
+
+
 def tile_shape(config: PagedAttnConfig, max_seqlen_q: int, group: int) -> tuple[int, int]:
     """``(block_m, q_tiles)``: rows per program and query tiles per sequence.
 
@@ -461,12 +590,19 @@ def tile_shape(config: PagedAttnConfig, max_seqlen_q: int, group: int) -> tuple[
 
 
 def allocate_workspace(
-    total_q: int, nheads: int, num_splits: int, head_dim: int, device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """Split-KV workspace: partial outputs ``(total_q, nheads, splits, d)`` and log2-sum-exps ``(total_q, nheads, splits)``, fp32."""
+    total_q: int, nheads: int, num_splits: int, head_dim: int, device: torch.device, arrivals: int = 0
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Split-KV workspace: partial outputs ``(total_q, nheads, splits, d)`` and log2-sum-exps
+    ``(total_q, nheads, splits)``, fp32, and ``arrivals`` int32 zeros (the fused combine's counters,
+    one per ``(sequence, KV head, query tile)``; the kernel leaves them zero)."""
     mid_o = torch.empty(total_q, nheads, num_splits, head_dim, dtype=torch.float32, device=device)
     mid_lse = torch.empty(total_q, nheads, num_splits, dtype=torch.float32, device=device)
-    return mid_o, mid_lse
+    counters = (
+        torch.zeros(arrivals, dtype=torch.int32, device=device)
+        if arrivals > 0
+        else torch.empty(1, dtype=torch.int32, device=device)  # unfused combine: never touched
+    )
+    return mid_o, mid_lse, counters
 
 
 def launch_paged_attention(
@@ -490,7 +626,7 @@ def launch_paged_attention(
     v_scale: Tensor | None = None,
     num_splits: int = 1,
     config: PagedAttnConfig | None = None,
-    workspace: tuple[Tensor, Tensor] | None = None,
+    workspace: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> None:
     """Launch the paged attention kernel (and the combine when ``num_splits > 1``). No checks, no syncs.
 
@@ -509,7 +645,8 @@ def launch_paged_attention(
         lse: optional ``(nheads, total_q)``-indexed float32 output (any strides), natural log.
         alibi_slopes: ``(nheads,)`` or ``(batch, nheads)`` float32.
         k_scale, v_scale: ``(nheads_k,)`` float32 fp8 dequantisation scales (fp8 caches).
-        workspace: ``allocate_workspace(total_q, nheads, num_splits, d)`` buffers, else allocated here.
+        workspace: ``allocate_workspace(total_q, nheads, num_splits, d, arrivals=batch * nheads_k *
+            q_tiles)`` buffers, else allocated here.
     """
     config = config or default_decode_config(k_cache.dtype, q.shape[-1])
     total_q, nheads, head_dim = q.shape
@@ -529,26 +666,42 @@ def launch_paged_attention(
         k_scale = torch.ones(nheads_k, dtype=torch.float32, device=q.device)
     if fp8 and v_scale is None:
         v_scale = torch.ones(nheads_k, dtype=torch.float32, device=q.device)
+    fused = split and config.fused_combine
+    n_arrivals = batch * nheads_k * q_tiles
     if split:
-        mid_o, mid_lse = (
+        mid_o, mid_lse, arrivals = (
             workspace
             if workspace is not None
-            else allocate_workspace(total_q, nheads, num_splits, head_dim, q.device)
+            else allocate_workspace(
+                total_q, nheads, num_splits, head_dim, q.device, n_arrivals if fused else 0
+            )
         )
+        if fused and arrivals.numel() < n_arrivals:
+            raise ValueError(f"workspace holds {arrivals.numel()} arrival counters, {n_arrivals} needed")
     else:
-        mid_o, mid_lse = out, out  # unused
+        mid_o, mid_lse, arrivals = out, out, seqlens_k  # unused
     lse_arg = lse if write_lse else out
     lse_strides = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
     dummy = seqlens_k  # pointer for absent optional tensors (never dereferenced)
+    use_tma = (
+        config.use_tma and paged and k_cache.shape[1] >= config.block_n and _tma_cache_ok(k_cache, v_cache)
+    )
+    if use_tma:
+        desc_k, desc_v = (_cache_descriptor(c, config.block_n) for c in (k_cache, v_cache))
+    else:
+        desc_k, desc_v = k_cache, v_cache
     grid = (q_tiles * num_splits, nheads_k, batch)
     _paged_attn_kernel[grid](
         q,
         k_cache,
         v_cache,
+        desc_k,
+        desc_v,
         out,
         lse_arg,
         mid_o,
         mid_lse,
+        arrivals,
         block_table if paged else dummy,
         seqlens_k,
         cu_seqlens_q if cu_seqlens_q is not None else dummy,
@@ -595,10 +748,14 @@ def launch_paged_attention(
         WRITE_LSE=write_lse,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         UPCAST=upcast,
+        EARLY_V=config.early_v,
+        FUSED_COMBINE=fused,
+        USE_TMA=use_tma,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **({"maxnreg": config.maxnreg} if config.maxnreg and q.device.type == "cuda" else {}),
     )
-    if split:
+    if split and not fused:
         _combine_kernel[(total_q, nheads)](
             mid_o,
             mid_lse,

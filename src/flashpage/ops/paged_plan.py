@@ -47,7 +47,8 @@ class DecodePlan:
         block_m: query rows per program (tokens x GQA group).
         grid: ``(q_tiles * num_splits, nheads_k, batch)``.
         softmax_scale, causal, window_size, softcap: attention options baked into the plan.
-        workspace: split partial outputs and log2-sum-exps (``None`` when ``num_splits == 1``).
+        workspace: split partial outputs, log2-sum-exps and the fused combine's arrival counters
+            (``None`` when ``num_splits == 1``).
     """
 
     batch: int
@@ -66,7 +67,7 @@ class DecodePlan:
     causal: bool
     window_size: tuple[int, int]
     softcap: float
-    workspace: tuple[Tensor, Tensor] | None
+    workspace: tuple[Tensor, Tensor, Tensor] | None
 
 
 def plan_decode(
@@ -119,7 +120,11 @@ def plan_decode(
     group = nheads // nheads_k
     block_m, q_tiles = tile_shape(config, seqlen_q, group)
     splits = resolve_num_splits(num_splits, batch * q_tiles, nheads_k, max_seqlen_k, config.block_n, device)
-    workspace = allocate_workspace(batch * seqlen_q, nheads, splits, head_dim, device) if splits > 1 else None
+    workspace = (
+        allocate_workspace(batch * seqlen_q, nheads, splits, head_dim, device, batch * nheads_k * q_tiles)
+        if splits > 1
+        else None
+    )
     return DecodePlan(
         batch=batch,
         nheads=nheads,
