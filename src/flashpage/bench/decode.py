@@ -655,7 +655,7 @@ def bench_prefill_shape(
         paged_ms,
         err,
         block_size=bs,
-        config=_cfg_name(default_prefill_config(d, device, k_cache.dtype)),
+        config=_cfg_name(default_prefill_config(d, device, k_cache.dtype, bs)),
     )
     if st.variants:
         combos = ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2),
@@ -682,7 +682,7 @@ def bench_prefill_shape(
                     )
     big_page_rows: list[dict[str, Any]] = []
     big = 128
-    if st.variants and ctx % big == 0 and bs < big:
+    if ctx % big == 0 and bs < big:
         # The same K/V in 128-token pages (random page order): a KV tile then lies inside one page,
         # which TMA descriptors can load (use_tma) -- the cost of the 16-token gather, measured.
         pages = ctx // big
@@ -692,9 +692,14 @@ def bench_prefill_shape(
         kc2[perm] = k_flat.view(b * pages, big, hk, d)
         vc2[perm] = v_flat.view(b * pages, big, hk, d)
         bt2 = perm.view(b, pages).to(torch.int32)
-        for bm, bn, w, st_, tma in ((128, 128, 8, 2, False), (128, 128, 8, 2, True), (128, 64, 8, 3, True),
-                                    (128, 128, 8, 3, True)):  # fmt: skip
-            cfg = PagedAttnConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st_, use_tma=tma)
+        combos = (
+            [(128, 128, 8, 2, False), (128, 64, 8, 3, True), (128, 128, 8, 3, True)] if st.variants else []
+        )
+        big_cfgs = [default_prefill_config(d, device, dt, big)]
+        big_cfgs += [PagedAttnConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s_, use_tma=t)
+                     for bm, bn, w, s_, t in combos]  # fmt: skip
+        for cfg in big_cfgs:
+            bm = cfg.block_m
             fn = lambda cfg=cfg: paged_prefill(
                 q, kc2, vc2, cu_q, seqlens, bt2, new, softmax_scale=scale, causal=True,
                 max_seqlen_k=ctx, config=cfg, validate=False,

@@ -316,8 +316,8 @@ def bwd_candidates(head_dim: int, device: torch.device) -> list[BwdConfig]:
             BwdConfig(64, 128, 128, 64, 8, 2, 8, 2),
             BwdConfig(32, 64, 64, 64, 4, 3, 4, 3),
             BwdConfig(16, 128, 128, 32, 8, 4, 8, 3),
-            # FlexAttention's sm90 default for d <= 128 (its backward reached 413 TFLOP/s at 16k
-            # non-causal on the H200, 2026-12-03); not yet measured here.
+            # FlexAttention's sm90 default for d <= 128: 388 / 424 TFLOP/s at d=128 16k non-causal /
+            # causal on the H200 (2026-12-03), vs 338 / 362 for the best of the others.
             BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
         ]
     else:
@@ -334,19 +334,10 @@ def bwd_candidates(head_dim: int, device: torch.device) -> list[BwdConfig]:
     if tma:
         out += [replace(c, use_tma=True) for c in base[:2]]
         if dp <= 128:
-            # Not yet measured (2026-12-03): dQ by TMA bulk reduce-adds (5 matmuls per tile pair instead
-            # of 7, FlashAttention-3's scheme); at d=256 the extra fp32 dQ tile does not fit in registers.
-            out += [replace(c, use_tma=True, dq_mode="atomic_tma") for c in (base[0], base[1], base[2])]
             out += [replace(base[-1], use_tma=True)]
-        if dp > 128:
-            # Not yet measured (2026-12-03): 16 warps double the registers for the two 64 x 256 fp32
-            # accumulators (dK, dV), whose spills are the suspected limit of the d=256 backward.
-            out += [replace(base[0], num_warps=16, num_warps2=16, use_tma=True)]
-    if dp > 128:  # not yet measured (2026-12-03)
-        out += [
-            replace(base[0], split_dkdv=True, use_tma=tma),
-            replace(base[1], split_dkdv=True, use_tma=tma),
-        ]
+    # Measured slower on the H200 at 16k (2026-12-03), so not timed by the autotuner (still
+    # selectable): dq_mode="atomic_tma" 302 vs 338 TFLOP/s (d=128, kv64x128, non-causal); at d=256
+    # 16 warps 74 vs 207, split_dkdv 162 vs 207.
     return out
 
 

@@ -217,7 +217,9 @@ def flash_attn_with_kvcache(
     if seqlen_q * group <= _DECODE_ROWS:
         config = default_decode_config(k_cache.dtype, d)
     else:
-        config = default_prefill_config(d, q.device, k_cache.dtype)
+        config = default_prefill_config(
+            d, q.device, k_cache.dtype, k_cache.shape[1] if block_table is not None else None
+        )
     _, tiles = tile_shape(config, seqlen_q, group)
     splits = resolve_num_splits(num_splits, batch * tiles, nheads_k, capacity, config.block_n, q.device)
     qp = q.reshape(batch * seqlen_q, nheads, d)

@@ -33,17 +33,25 @@ __all__ = ["check_cu_seqlens", "default_prefill_config", "paged_prefill"]
 
 
 def default_prefill_config(
-    head_dim: int, device: torch.device | None = None, kv_dtype: torch.dtype | None = None
+    head_dim: int,
+    device: torch.device | None = None,
+    kv_dtype: torch.dtype | None = None,
+    block_size: int | None = None,
 ) -> PagedAttnConfig:
     """Prefill tiles: 128 query rows x 64 keys, 8 warps (wgmma on sm_90, no spills at d=128);
     64 x 64 above d=128 (shared memory and registers). On Hopper with a 16-bit cache and d <= 128,
-    128 x 128 tiles: 319 vs 280 TFLOP/s on the H200 (4 x 2048 new tokens after a 2048-token paged
-    prefix, GQA 32/8, two runs, benchmarks/results/decode-h200.json)."""
+    128 x 128 tiles; pages of >= 128 tokens hold whole tiles, which TMA descriptors load (2 stages),
+    smaller pages need pointer gathers (3 stages). On the H200 (4 x 2048 new tokens after a
+    2048-token paged prefix, GQA 32/8, 2026-12-03): 339 TFLOP/s at block size 16 (313 with 2 stages)
+    and 386 with 128-token pages + TMA (370 without, 356 with 3 stages), vs 389 for the flash kernel
+    on contiguous KV (benchmarks/results/decode-h200.json)."""
     if head_dim > 128:
         return PagedAttnConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
     hopper = device is not None and gpu_family(device) == "hopper"
     if hopper and kv_dtype in (torch.float16, torch.bfloat16):
-        return PagedAttnConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
+        if block_size is not None and block_size >= 128:
+            return PagedAttnConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, use_tma=True)
+        return PagedAttnConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
     return PagedAttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
@@ -138,7 +146,7 @@ def paged_prefill(
             seqlens_name="seqlens_k",
             min_seqlens=qlen,
         )
-    config = config or default_prefill_config(d, q.device, k_cache.dtype)
+    config = config or default_prefill_config(d, q.device, k_cache.dtype, k_cache.shape[1])
     nheads_k = k_cache.shape[2]
     group = nheads // nheads_k
     _, tiles = tile_shape(config, max_seqlen_q, group)
