@@ -56,11 +56,13 @@ TABLE_COLUMNS = [
     "d",
     "block_size",
     "num_splits",
+    "config",
     "ms",
     "tbps",
     "tflops",
     "frac_of_roofline",
     "max_err",
+    "ratio_vs_flash",
 ]
 _TOL = 2e-2  # max |out - sdpa| for bf16 outputs of unit-variance random data
 
