@@ -139,7 +139,7 @@ class BwdConfig:
 # ---------------------------------------------------------------------------------------------
 # Checked-in tables. Keys: (padded head dim, causal, seqlen bucket), see table_lookup. Hopper (sm_90:
 # H100 / H200) entries, picked by FLASHPAGE_AUTOTUNE=1 in `flashpage bench attention` on the H200
-# (torch 2.11, triton 3.6, 2026-12-03; benchmarks/results/attention-h200.json), which prints these
+# (torch 2.11, triton 3.6, 2026-12-03, commit 7ef85f4; benchmarks/results/attention-h200.json), which prints these
 # dicts (a bucket equal to the next larger one is left out); `--variants` prints per-config timings.
 # d=32 entries are untuned guesses.
 # ---------------------------------------------------------------------------------------------
@@ -147,25 +147,26 @@ ANY_SEQLEN = 1 << 30
 HOPPER_FWD: dict[tuple[int, bool, int], FwdConfig] = {
     (32, False, ANY_SEQLEN): FwdConfig(128, 128, 8, 3, True),
     (32, True, ANY_SEQLEN): FwdConfig(128, 128, 8, 3, True),
-    (64, False, 4096): FwdConfig(64, 64, 4, 3, True),
-    (64, False, ANY_SEQLEN): FwdConfig(128, 64, 8, 3, True),
+    (64, False, 1024): FwdConfig(64, 64, 4, 3, True),
+    (64, False, ANY_SEQLEN): FwdConfig(128, 64, 4, 3, True),
     (64, True, 1024): FwdConfig(64, 64, 4, 2, True),
-    (64, True, ANY_SEQLEN): FwdConfig(128, 64, 4, 3, True),
+    (64, True, ANY_SEQLEN): FwdConfig(64, 64, 4, 3, True),
     (128, False, 1024): FwdConfig(64, 64, 4, 3, True),
-    (128, False, ANY_SEQLEN): FwdConfig(128, 128, 8, 3, True),
-    (128, True, 4096): FwdConfig(64, 64, 4, 3, True),
-    (128, True, ANY_SEQLEN): FwdConfig(128, 128, 8, 3, True),
+    (128, False, 4096): FwdConfig(128, 128, 8, 3, True),
+    (128, False, ANY_SEQLEN): FwdConfig(64, 64, 4, 3, True),
+    (128, True, ANY_SEQLEN): FwdConfig(64, 64, 4, 3, True),
     (256, False, ANY_SEQLEN): FwdConfig(128, 64, 8, 2, True),
     (256, True, ANY_SEQLEN): FwdConfig(128, 64, 8, 2, True),
 }
 HOPPER_BWD: dict[tuple[int, bool, int], BwdConfig] = {
     (32, False, ANY_SEQLEN): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
     (32, True, ANY_SEQLEN): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
-    (64, False, 1024): BwdConfig(64, 64, 64, 64, 4, 3, 4, 3),
-    (64, False, ANY_SEQLEN): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
+    (64, False, ANY_SEQLEN): BwdConfig(64, 64, 64, 64, 4, 3, 4, 3, "separate", True),
     (64, True, ANY_SEQLEN): BwdConfig(64, 64, 64, 64, 4, 3, 4, 3),
-    (128, False, ANY_SEQLEN): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3, "separate", True),
-    (128, True, ANY_SEQLEN): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
+    (128, False, ANY_SEQLEN): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
+    (128, True, 1024): BwdConfig(32, 64, 64, 64, 4, 3, 4, 3),
+    (128, True, 4096): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
+    (128, True, ANY_SEQLEN): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3, "separate", True),
     (256, False, ANY_SEQLEN): BwdConfig(64, 64, 64, 64, 8, 2, 8, 2, "separate", True),
     (256, True, ANY_SEQLEN): BwdConfig(64, 64, 64, 64, 8, 2, 8, 2, "separate", True),
 }
