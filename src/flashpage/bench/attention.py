@@ -58,6 +58,7 @@ TABLE_COLUMNS = [
     "causal",
     "pass",
     "ms",
+    "kernel_ms",
     "tflops",
     "frac_of_roofline",
     "ratio_vs_sdpa_flash",
@@ -320,12 +321,39 @@ def bench_shape(
                 f"  CHECK FAILED flashpage: out/grad rel err {r[0]['max_err']:.2e} / {r[1]['max_err']:.2e}",
                 flush=True,
             )
+        if impl.name == "flashpage":
+            _add_kernel_times(r, shape, q, k, v, do, time_ms)
         rows += r
     base = {row["pass"]: row["tflops"] for row in rows if row["impl"] == "sdpa-flash"}
     for row in rows:
         if row["pass"] in base:
             row["ratio_vs_sdpa_flash"] = row["tflops"] / base[row["pass"]]
     return rows, flashpage_ok, notes
+
+
+def _add_kernel_times(
+    rows: list[dict[str, Any]],
+    shape: Shape,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    do: Tensor,
+    time_ms: Callable[[Callable[[], Any]], float],
+) -> None:
+    """``kernel_ms`` on flashpage's fwd / bwd rows: the launchers alone (``flash_fwd`` / ``flash_bwd``,
+    same configs, no autograd or API layer), so a short-sequence row shows how much of its time is
+    host-side overhead rather than kernel."""
+    from flashpage.ops.flash_bwd import flash_bwd
+    from flashpage.ops.flash_fwd import flash_fwd
+
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    out, lse = flash_fwd(qd, kd, vd, causal=shape.causal, validate=False)
+    times = {
+        "fwd": time_ms(lambda: flash_fwd(qd, kd, vd, causal=shape.causal, validate=False)),
+        "bwd": time_ms(lambda: flash_bwd(do, qd, kd, vd, out, lse, causal=shape.causal, validate=False)),
+    }
+    for row in rows:
+        row["kernel_ms"] = times[row["pass"]]
 
 
 # ------------------------------------------------------------------------------------------------
