@@ -35,6 +35,7 @@ from torch import Tensor
 from flashpage.ops.backend import interpreter_enabled
 from flashpage.ops.cache_write import is_fp8_dtype, validate_scale
 from flashpage.ops.flash_configs import tma_supported
+from flashpage.ops.flash_fwd import make_row_descriptor, tma_row_view_ok
 from flashpage.roofline.planner import choose_num_splits  # the roofline planner's split-KV rule
 
 __all__ = [
@@ -547,33 +548,6 @@ def _combine_kernel(
         tl.store(Lse + h * stride_lh + tok * stride_lt, lse_out)
 
 
-def _tma_cache_ok(k_cache: Tensor, v_cache: Tensor) -> bool:
-    """Both caches can be read as ``(num_blocks * block_size, nheads_k * d)`` rows through TMA:
-    contiguous, 16-byte aligned, power-of-two head dim, TMA on this device (Hopper+ or interpreter)."""
-    if not tma_supported(k_cache.device):
-        return False
-    for c in (k_cache, v_cache):
-        d = c.shape[-1]
-        if (
-            not c.is_contiguous()
-            or d & (d - 1)
-            or d < 16
-            or c.data_ptr() % 16
-            or (c.shape[2] * d * c.element_size()) % 16
-        ):
-            return False
-    return True
-
-
-def _cache_descriptor(cache: Tensor, block_n: int) -> object:
-    """2-D TMA descriptor over a contiguous paged cache with ``[block_n, d]`` boxes."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    nb, bs, hk, d = cache.shape
-    # Positional arguments: the constructor's keyword set differs between triton 3.6 and 3.9.
-    return TensorDescriptor(cache, [nb * bs, hk * d], [hk * d, 1], [block_n, d])
-
-
 def tile_shape(config: PagedAttnConfig, max_seqlen_q: int, group: int) -> tuple[int, int]:
     """``(block_m, q_tiles)``: rows per program and query tiles per sequence.
 
@@ -683,11 +657,16 @@ def launch_paged_attention(
     lse_arg = lse if write_lse else out
     lse_strides = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
     dummy = seqlens_k  # pointer for absent optional tensors (never dereferenced)
+    # A paged cache seen as (num_blocks * block_size, nheads_k * d) rows: the flash kernels' row view.
     use_tma = (
-        config.use_tma and paged and k_cache.shape[1] >= config.block_n and _tma_cache_ok(k_cache, v_cache)
+        config.use_tma
+        and paged
+        and k_cache.shape[1] >= config.block_n
+        and tma_supported(k_cache.device)
+        and all(tma_row_view_ok(c, False, head_dim) for c in (k_cache, v_cache))
     )
     if use_tma:
-        desc_k, desc_v = (_cache_descriptor(c, config.block_n) for c in (k_cache, v_cache))
+        desc_k, desc_v = (make_row_descriptor(c, False, config.block_n, head_dim) for c in (k_cache, v_cache))
     else:
         desc_k, desc_v = k_cache, v_cache
     grid = (q_tiles * num_splits, nheads_k, batch)
