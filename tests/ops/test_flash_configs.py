@@ -26,6 +26,25 @@ def test_tables_cover_every_head_dim_and_mask_for_any_length(table: dict) -> Non
                 assert table_lookup(table, d, causal, s) is not None
 
 
+def _score_rows(cfg: FwdConfig | BwdConfig) -> list[tuple[int, int]]:
+    """(rows of a score tile, warps of its kernel) for every kernel the config launches."""
+    if isinstance(cfg, FwdConfig):
+        return [(cfg.block_m, cfg.num_warps)]
+    return [(cfg.block_n1, cfg.num_warps), (cfg.block_m2, cfg.num_warps2)]
+
+
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+def test_hopper_configs_give_every_warp_its_own_score_rows(d: int) -> None:
+    # A score tile of fewer than 16 rows per warp is computed once per warpgroup on Hopper (Triton
+    # puts all warps along M for a dot that feeds a dot): d=256 ran at 0.80x SDPA-flash that way.
+    dev = torch.device("cpu")
+    cfgs = [c for (dd, _, _), c in (*HOPPER_FWD.items(), *HOPPER_BWD.items()) if dd == d]
+    cfgs += fwd_candidates(d, dev) + bwd_candidates(d, dev)
+    for cfg in cfgs:
+        for rows, warps in _score_rows(cfg):
+            assert rows >= 16 * warps, cfg
+
+
 def test_table_lookup_picks_smallest_bucket_at_or_above_the_length() -> None:
     t = {(128, True, 1024): "a", (128, True, 4096): "b", (128, True, ANY_SEQLEN): "c"}
     assert [table_lookup(t, 128, True, s) for s in (1, 1024, 1025, 4096, 4097, None)] == list("aabbcc")

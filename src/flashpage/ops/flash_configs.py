@@ -99,7 +99,13 @@ class BwdConfig:
             atomics elsewhere). ``deterministic=True`` always uses ``"separate"``.
         use_tma: TMA descriptor loads of the streamed tiles (Q/dO in dK/dV, K/V in dQ).
         split_dkdv: compute dV and dK in two launches of the dK/dV kernel (one float32
-            accumulator per program instead of two: fewer registers at d=256, one more Q K^T).
+            accumulator per program instead of two, one more Q K^T): at d=256 what lets the score
+            tiles have the 16 x num_warps rows that keep Triton from computing them once per
+            warpgroup (64-row tiles with 4 warps, 128-row tiles with 8).
+
+    Tiles of fewer than ``16 * num_warps`` rows (``block_n1`` in dK/dV, ``block_m2`` in dQ) are legal
+    but slow on Hopper: the score tile feeds another dot, so Triton spreads all warps along its rows
+    and each warpgroup repeats the same ``Q K^T`` / ``dO V^T``.
     """
 
     block_m1: int = 32
@@ -167,8 +173,11 @@ HOPPER_BWD: dict[tuple[int, bool, int], BwdConfig] = {
     (128, True, 1024): BwdConfig(32, 64, 64, 64, 4, 3, 4, 3),
     (128, True, 4096): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
     (128, True, ANY_SEQLEN): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3, "separate", True),
-    (256, False, ANY_SEQLEN): BwdConfig(64, 64, 64, 64, 8, 2, 8, 2, "separate", True),
-    (256, True, ANY_SEQLEN): BwdConfig(64, 64, 64, 64, 8, 2, 8, 2, "separate", True),
+    # d=256 (sweep of 2026-12-03, same H200 run as SDPA-flash: 255-308 TFLOP/s non-causal, 195-319
+    # causal, 1.12-1.28x SDPA-flash at 1k-16k): dK and dV in two launches so one float32 accumulator
+    # fits, with score tiles of 64 rows per 4 warps / 128 per 8 warps (see bwd_candidates).
+    (256, False, ANY_SEQLEN): BwdConfig(64, 64, 128, 32, 4, 2, 8, 3, "separate", True, True),
+    (256, True, ANY_SEQLEN): BwdConfig(32, 128, 128, 32, 8, 3, 8, 3, "separate", True, True),
 }
 
 
@@ -322,23 +331,29 @@ def bwd_candidates(head_dim: int, device: torch.device) -> list[BwdConfig]:
             BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
         ]
     else:
-        # d=256: 64 x 64 tiles with 8 warps beat smaller ones 1.4-1.9x on the H200 (2026-12-03).
+        # d=256. Triton gives a dot whose result feeds another dot (the score tile here) all warps
+        # along M, so a score tile of fewer rows than 16 x num_warps is computed redundantly by
+        # each warpgroup: with 8 warps, 64-row tiles did Q K^T and dO V^T twice (207 TFLOP/s at 16k,
+        # 0.80x SDPA-flash). The two float32 BLOCK x 256 accumulators of dK and dV do not fit with
+        # 128-row tiles, so dK and dV take two launches (split_dkdv: one more Q K^T, no spills):
+        # 292 / 319 TFLOP/s non-causal / causal at 16k on the H200 (2026-12-03).
         base = [
-            BwdConfig(64, 64, 64, 64, 8, 2, 8, 2),
-            BwdConfig(32, 64, 64, 64, 8, 2, 8, 2),
-            BwdConfig(64, 64, 64, 64, 8, 1, 8, 1),
-            BwdConfig(64, 64, 64, 32, 8, 2, 8, 2),
-            BwdConfig(32, 64, 64, 32, 8, 2, 8, 2),
+            BwdConfig(64, 64, 128, 32, 4, 2, 8, 3, split_dkdv=True),
+            BwdConfig(32, 128, 128, 32, 8, 3, 8, 3, split_dkdv=True),
+            BwdConfig(32, 128, 128, 32, 8, 2, 8, 3, split_dkdv=True),
         ]
     out = list(base)
-    out += [replace(c, dq_mode="atomic") for c in base[:2]]
+    if dp <= 128:
+        out += [replace(c, dq_mode="atomic") for c in base[:2]]
     if tma:
-        out += [replace(c, use_tma=True) for c in base[:2]]
         if dp <= 128:
+            out += [replace(c, use_tma=True) for c in base[:2]]
             out += [replace(base[-1], use_tma=True)]
+        else:  # d=256: measured with TMA only (pointer loads of 64 x 256 tiles cost registers)
+            out = [replace(c, use_tma=True) for c in base]
     # Measured slower on the H200 at 16k (2026-12-03), so not timed by the autotuner (still
     # selectable): dq_mode="atomic_tma" 302 vs 338 TFLOP/s (d=128, kv64x128, non-causal); at d=256
-    # 16 warps 74 vs 207, split_dkdv 162 vs 207.
+    # 16 warps 74 and the previous 8-warp 64 x 64 tiles 207 (vs 292 for the first candidate).
     return out
 
 
