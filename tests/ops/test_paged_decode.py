@@ -149,8 +149,12 @@ def test_kernel_configs_agree() -> None:
         PagedAttnConfig(block_n=16),
         PagedAttnConfig(block_n=128, num_warps=8),
         PagedAttnConfig(block_m=32, block_n=32),
+        PagedAttnConfig(block_n=32, num_stages=3, prefetch_table=True),  # 2 pages per tile
+        PagedAttnConfig(block_n=128, num_warps=8, prefetch_table=True),
     ):
-        assert_close_to_ref(paged_decode(q, kc, vc, bt, sl, num_splits=2, config=cfg), ref[:, 0], same[:, 0])
+        for splits in (1, 2, 3):
+            out = paged_decode(q, kc, vc, bt, sl, num_splits=splits, config=cfg)
+            assert_close_to_ref(out, ref[:, 0], same[:, 0])
 
 
 @pytest.mark.parametrize("cfg", [PagedAttnConfig(fused_combine=True), PagedAttnConfig(block_n=32, early_v=True,

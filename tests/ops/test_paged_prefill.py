@@ -85,6 +85,8 @@ def test_chunked_prefill_matches_reference(
         {"window_size": (10, 0)},
         {"softcap": 4.0, "alibi": "2d"},
         {"window_size": (25, -1), "alibi": "1d", "num_splits": 2},
+        {"window_size": (25, -1), "num_splits": 3, "prefetch": True},
+        {"prefetch": True},
     ],
 )
 def test_prefill_options(opts: dict[str, object]) -> None:
@@ -95,7 +97,8 @@ def test_prefill_options(opts: dict[str, object]) -> None:
         kw["alibi_slopes"] = torch.rand(nheads)
     elif opts.get("alibi") == "2d":
         kw["alibi_slopes"] = torch.rand(len(q_lens), nheads)
-    cfg = PagedAttnConfig(block_m=32, block_n=16)
+    # prefetch_table: 32-key tiles over 16-token pages, the next tile's block ids loaded ahead.
+    cfg = PagedAttnConfig(block_m=32, block_n=32, prefetch_table=True) if opts.get("prefetch") else PagedAttnConfig(block_m=32, block_n=16)  # fmt: skip
     splits = int(opts.get("num_splits", 1))  # type: ignore[call-overload]
     out = paged_prefill(q, kc, vc, cu, sl, bt, max(q_lens), num_splits=splits, config=cfg, **kw)  # type: ignore[arg-type]
     ref, _ = _varlen_paged_ref(q, kc, vc, bt, cu, sl, causal=True, **dict(kw))

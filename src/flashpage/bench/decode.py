@@ -129,7 +129,7 @@ def _settings(args: argparse.Namespace) -> BenchSettings:
     )
     return BenchSettings(
         decode=tuple(gqa + mha),
-        prefill=(PrefillShape(4, 2048, 2048, 32, 8),),
+        prefill=(PrefillShape(4, 2048, 2048, 32, 8), PrefillShape(4, 2048, 2048, 16, 4, 256)),
         dtype=torch.bfloat16,
         block_size=16,
         warmup_ms=10 if args.quick else 25,
@@ -209,13 +209,16 @@ def _variant_configs(fp8: bool) -> list[Any]:
     if fp8:
         combos = [(64, 4, 2), (128, 4, 2), (128, 8, 2), (256, 8, 2)]
     else:
-        # Stages only matter where Triton can prefetch past the block-table indirection: two probes.
+        # Without prefetch_table, Triton pipelines the gathered K/V tiles of 16-token pages with one
+        # buffer whatever num_stages says; with it, num_stages - 1 buffers (sm_90 TTGIR): probes.
         combos = [(bn, w, 2) for bn in (32, 64, 128) for w in (4, 8)] + [(64, 4, 3), (128, 8, 3)]
     cfgs = [PagedAttnConfig(block_n=bn, num_warps=w, num_stages=s) for bn, w, s in combos]
+    if not fp8:
+        cfgs += [PagedAttnConfig(block_n=bn, num_warps=w, num_stages=s, prefetch_table=True)
+                 for bn, w, s in ((64, 4, 3), (64, 4, 4), (32, 4, 4), (128, 4, 3), (64, 8, 3))]  # fmt: skip
     # The default tiles with each latency knob (fused split combine, early V load, register cap).
     d0 = cfgs[0] if fp8 else PagedAttnConfig()
-    knobs = [{"fused_combine": True}, {"early_v": True}, {"maxnreg": 128}, {"early_v": True, "fused_combine": True},
-             {"maxnreg": 128, "fused_combine": True}]  # fmt: skip
+    knobs = [{"fused_combine": True}, {"early_v": True}, {"maxnreg": 128}]
     if fp8:
         d0 = PagedAttnConfig(block_n=128, num_warps=8, num_stages=2)
         knobs = knobs[:2]
@@ -660,10 +663,16 @@ def bench_prefill_shape(
         config=_cfg_name(default_prefill_config(d, device, k_cache.dtype, bs)),
     )
     if st.variants:
-        combos = ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2),
-                  (64, 64, 4, 3), (64, 128, 4, 2))  # fmt: skip
-        for bm, bn, w, s in combos:
-            cfg = PagedAttnConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+        if d <= 128:
+            combos = ((128, 64, 8, 3, False), (128, 128, 8, 2, False), (128, 128, 8, 3, False),
+                      (64, 64, 4, 3, False), (64, 128, 4, 2, False), (128, 128, 8, 3, True),
+                      (128, 64, 8, 3, True), (128, 64, 8, 4, True), (64, 64, 4, 3, True),
+                      (64, 128, 4, 3, True))  # fmt: skip
+        else:
+            combos = ((64, 64, 8, 2, False), (128, 32, 8, 2, False), (64, 32, 4, 2, False),
+                      (128, 32, 8, 3, True), (64, 32, 4, 3, True), (128, 64, 8, 2, False))  # fmt: skip
+        for bm, bn, w, s, pt in combos:
+            cfg = PagedAttnConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, prefetch_table=pt)
             try:
                 o = paged(cfg)
             except Exception as exc:  # out of shared memory on this GPU, etc.

@@ -78,6 +78,8 @@ class PagedAttnConfig:
         use_tma: read mask-free KV tiles through TMA descriptors when a tile lies inside one page
             (``block_size >= block_n``; Hopper+, contiguous 16-byte aligned caches); pointer loads
             otherwise.
+        prefetch_table: with pages smaller than ``block_n`` (a tile gathers several pages), load
+            the next tile's block ids one iteration ahead instead of at the top of each iteration.
     """
 
     block_m: int = 0
@@ -88,6 +90,7 @@ class PagedAttnConfig:
     early_v: bool = False
     maxnreg: int = 0
     use_tma: bool = False
+    prefetch_table: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps"):
@@ -108,6 +111,7 @@ class PagedAttnConfig:
         extra = ("-fc" if self.fused_combine else "") + ("-ev" if self.early_v else "")
         extra += f"-r{self.maxnreg}" if self.maxnreg else ""
         extra += "-tma" if self.use_tma else ""
+        extra += "-pt" if self.prefetch_table else ""
         return f"n{self.block_n}w{self.num_warps}s{self.num_stages}{extra}"
 
 
@@ -188,12 +192,18 @@ def _attn_kv_loop(
     DOT_PRECISION: tl.constexpr,
     EARLY_V: tl.constexpr,
     USE_TMA: tl.constexpr,
+    PREFETCH_TABLE: tl.constexpr,
 ):
     """Online-softmax over KV tiles ``[start, end)`` (``start`` a multiple of ``BLOCK_N``).
 
     ``K``/``V`` already point at this program's KV head. ``MASK`` tiles apply the sequence end, the
     causal/window bounds per row; mask-free tiles are fully visible to every row by construction.
     """
+    GATHER: tl.constexpr = PAGE_SIZE > 0 and PAGE_SIZE < BLOCK_N
+    if GATHER and PREFETCH_TABLE:
+        # Block ids of the first tile; each iteration then loads the next tile's, so the K/V
+        # addresses never wait on a table load issued in the same iteration.
+        blk_next = tl.load(bt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < ctx, other=0)
     for start_n in range(start, end, BLOCK_N):
         j = start_n + offs_n
         # Token -> cache row. Paged: block id from the table (one scalar when the tile lies in a page).
@@ -206,7 +216,11 @@ def _attn_kv_loop(
             k_off = blk * stride_kb + in_page * stride_kt
             v_off = blk * stride_vb + in_page * stride_vt
         else:
-            if MASK:
+            if PREFETCH_TABLE:
+                blk = blk_next.to(tl.int64)
+                j_next = j + BLOCK_N
+                blk_next = tl.load(bt_row + j_next // PAGE_SIZE, mask=j_next < ctx, other=0)
+            elif MASK:
                 blk = tl.load(bt_row + j // PAGE_SIZE, mask=j < ctx, other=0).to(tl.int64)
             else:
                 blk = tl.load(bt_row + j // PAGE_SIZE).to(tl.int64)
@@ -330,6 +344,7 @@ def _paged_attn_kernel(
     EARLY_V: tl.constexpr,
     FUSED_COMBINE: tl.constexpr,
     USE_TMA: tl.constexpr,
+    PREFETCH_TABLE: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -416,17 +431,17 @@ def _paged_attn_kernel(
     acc, l_i, m_i = _attn_kv_loop(
         acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, s_lo, a_end, ctx, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_n, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt,
-        BLOCK_N, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA,
+        BLOCK_N, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
     )  # fmt: skip
     acc, l_i, m_i = _attn_kv_loop(
         acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, a_end, b_end, ctx, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_n, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt,
-        BLOCK_N, PAGE_SIZE, False, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA,
+        BLOCK_N, PAGE_SIZE, False, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
     )  # fmt: skip
     acc, l_i, m_i = _attn_kv_loop(
         acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, b_end, s_hi, ctx, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_n, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt,
-        BLOCK_N, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA,
+        BLOCK_N, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
     )  # fmt: skip
 
     nonempty = l_i > 0.0
@@ -730,6 +745,7 @@ def launch_paged_attention(
         EARLY_V=config.early_v,
         FUSED_COMBINE=fused,
         USE_TMA=use_tma,
+        PREFETCH_TABLE=config.prefetch_table,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg and q.device.type == "cuda" else {}),
