@@ -153,3 +153,20 @@ def test_default_prefill_config_by_head_dim_and_device() -> None:
         default_prefill_config(128).block_n,
     ) == (128, 64)
     assert default_prefill_config(256, cpu, torch.bfloat16).block_m == 64
+
+
+def test_hopper_prefill_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hopper: gathered small pages prefetch the block table, whole-tile pages take TMA, and every
+    default gives each warp 16 query rows (fewer make Triton repeat the score MMAs per warpgroup)."""
+    import flashpage.ops.paged_prefill as pp
+
+    monkeypatch.setattr(pp, "gpu_family", lambda device: "hopper")
+    dev = torch.device("cpu")
+    small, big = (pp.default_prefill_config(128, dev, torch.bfloat16, bs) for bs in (16, 128))
+    assert small.prefetch_table and not small.use_tma
+    assert big.use_tma and big.block_n <= 128
+    for d in (64, 128, 256):
+        for bs in (8, 16, 64, 256):
+            c = pp.default_prefill_config(d, dev, torch.float16, bs)
+            assert c.block_m >= 16 * c.num_warps, c
+            assert c.block_n <= bs or not c.use_tma, c  # TMA tiles lie inside one page

@@ -38,20 +38,29 @@ def default_prefill_config(
     kv_dtype: torch.dtype | None = None,
     block_size: int | None = None,
 ) -> PagedAttnConfig:
-    """Prefill tiles: 128 query rows x 64 keys, 8 warps (wgmma on sm_90, no spills at d=128);
-    64 x 64 above d=128 (shared memory and registers). On Hopper with a 16-bit cache and d <= 128,
-    128 x 128 tiles; pages of >= 128 tokens hold whole tiles, which TMA descriptors load (2 stages),
-    smaller pages need pointer gathers (3 stages). On the H200 (4 x 2048 new tokens after a
-    2048-token paged prefix, GQA 32/8, 2026-12-03): 339 TFLOP/s at block size 16 (313 with 2 stages)
-    and 386 with 128-token pages + TMA (370 without, 356 with 3 stages), vs 389 for the flash kernel
-    on contiguous KV (benchmarks/results/decode-h200.json)."""
+    """Prefill tiles. Query rows per tile stay >= 16 per warp (fewer make Triton repeat the score
+    MMAs once per warpgroup on Hopper, see flash_configs).
+
+    On Hopper with a 16-bit cache (H200, 4 x 2048 new tokens after a 2048-token paged prefix, block
+    size 16, bf16, 2026-12-03; benchmarks/results/decode-h200.json): d <= 128, GQA 32/8: 128 x 128 tiles,
+    3 stages, ``prefetch_table`` (374 TFLOP/s = 0.92x the flash kernel on contiguous KV; 339 without
+    the prefetch, whose gathered tiles get one buffer); pages of >= 128 tokens hold whole tiles, which
+    TMA descriptors load (387, 2 stages). d=256, GQA 16/4: 128 x 64 tiles (387 = 0.95x; the 64 x 64
+    8-warp tiles used before: 215); TMA with 3 stages for pages >= 64 tokens (392 at 128). Elsewhere
+    (Ampere: less shared memory): 128 x 64, 8 warps; 64 x 64 above d=128.
+    """
+    hopper = device is not None and gpu_family(device) == "hopper"
+    big_pages = block_size is not None and block_size >= 128
+    if hopper and kv_dtype in (torch.float16, torch.bfloat16):
+        if head_dim > 128:
+            if block_size is not None and block_size >= 64:
+                return PagedAttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True)
+            return PagedAttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+        if big_pages:
+            return PagedAttnConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, use_tma=True)
+        return PagedAttnConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, prefetch_table=True)
     if head_dim > 128:
         return PagedAttnConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
-    hopper = device is not None and gpu_family(device) == "hopper"
-    if hopper and kv_dtype in (torch.float16, torch.bfloat16):
-        if block_size is not None and block_size >= 128:
-            return PagedAttnConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, use_tma=True)
-        return PagedAttnConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
     return PagedAttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
