@@ -147,6 +147,8 @@ class BwdConfig:
 # H100 / H200) entries, picked by FLASHPAGE_AUTOTUNE=1 in `flashpage bench attention` on the H200
 # (torch 2.11, triton 3.6, 2026-12-03, commit 7ef85f4; benchmarks/results/attention-h200.json), which prints these
 # dicts (a bucket equal to the next larger one is left out); `--variants` prints per-config timings.
+# Entries with a comment beside them (d=128 forward at 16k, d=256 backward) come from later sweeps
+# that timed explicit configs against SDPA-flash in the same run.
 # d=32 entries are untuned guesses.
 # ---------------------------------------------------------------------------------------------
 ANY_SEQLEN = 1 << 30

@@ -38,8 +38,8 @@ def default_prefill_config(
     kv_dtype: torch.dtype | None = None,
     block_size: int | None = None,
 ) -> PagedAttnConfig:
-    """Prefill tiles. Query rows per tile stay >= 16 per warp (fewer make Triton repeat the score
-    MMAs once per warpgroup on Hopper, see flash_configs).
+    """Prefill tiles. The Hopper tiles give every warp >= 16 query rows (fewer make Triton repeat
+    the score MMAs once per warpgroup, see flash_configs).
 
     On Hopper with a 16-bit cache (H200, 4 x 2048 new tokens after a 2048-token paged prefix, block
     size 16, bf16, 2026-12-03; benchmarks/results/decode-h200.json): d <= 128, GQA 32/8: 128 x 128 tiles,
@@ -47,7 +47,7 @@ def default_prefill_config(
     the prefetch, whose gathered tiles get one buffer); pages of >= 128 tokens hold whole tiles, which
     TMA descriptors load (387, 2 stages). d=256, GQA 16/4: 128 x 64 tiles (387 = 0.95x; the 64 x 64
     8-warp tiles used before: 215); TMA with 3 stages for pages >= 64 tokens (392 at 128). Elsewhere
-    (Ampere: less shared memory): 128 x 64, 8 warps; 64 x 64 above d=128.
+    (Ampere: less shared memory; not measured here): 128 x 64, 8 warps; 64 x 64 above d=128.
     """
     hopper = device is not None and gpu_family(device) == "hopper"
     big_pages = block_size is not None and block_size >= 128
