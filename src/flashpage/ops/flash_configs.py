@@ -347,15 +347,13 @@ def bwd_candidates(head_dim: int, device: torch.device) -> list[BwdConfig]:
             BwdConfig(32, 128, 128, 32, 8, 3, 8, 3, split_dkdv=True),
             BwdConfig(32, 128, 128, 32, 8, 2, 8, 3, split_dkdv=True),
         ]
+        # Measured with TMA only (pointer loads of 64 x 256 tiles cost registers).
+        return [replace(c, use_tma=tma) for c in base]
     out = list(base)
-    if dp <= 128:
-        out += [replace(c, dq_mode="atomic") for c in base[:2]]
+    out += [replace(c, dq_mode="atomic") for c in base[:2]]
     if tma:
-        if dp <= 128:
-            out += [replace(c, use_tma=True) for c in base[:2]]
-            out += [replace(base[-1], use_tma=True)]
-        else:  # d=256: measured with TMA only (pointer loads of 64 x 256 tiles cost registers)
-            out = [replace(c, use_tma=True) for c in base]
+        out += [replace(c, use_tma=True) for c in base[:2]]
+        out += [replace(base[-1], use_tma=True)]
     # Measured slower on the H200 at 16k (2026-12-03), so not timed by the autotuner (still
     # selectable): dq_mode="atomic_tma" 302 vs 338 TFLOP/s (d=128, kv64x128, non-causal); at d=256
     # 16 warps 74 and the previous 8-warp 64 x 64 tiles 207 (vs 292 for the first candidate).

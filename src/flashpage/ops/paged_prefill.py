@@ -50,13 +50,13 @@ def default_prefill_config(
     (Ampere: less shared memory; not measured here): 128 x 64, 8 warps; 64 x 64 above d=128.
     """
     hopper = device is not None and gpu_family(device) == "hopper"
-    big_pages = block_size is not None and block_size >= 128
+    page = block_size or 0
     if hopper and kv_dtype in (torch.float16, torch.bfloat16):
         if head_dim > 128:
-            if block_size is not None and block_size >= 64:
+            if page >= 64:
                 return PagedAttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True)
             return PagedAttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
-        if big_pages:
+        if page >= 128:
             return PagedAttnConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, use_tma=True)
         return PagedAttnConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, prefetch_table=True)
     if head_dim > 128:
