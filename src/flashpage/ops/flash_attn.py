@@ -26,15 +26,13 @@ It is materialised by a separate kernel and is meant for tests at small sizes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from flashpage.ops.backend import resolve_backend
 from flashpage.ops.flash_bwd import flash_bwd
-from flashpage.ops.flash_fwd import attention_probs, check_attention_inputs, flash_fwd
+from flashpage.ops.flash_fwd import AttnProblem, attention_probs, check_attention_inputs, flash_fwd
 from flashpage.ops.reference import attention_ref, varlen_attention_ref
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_varlen_fwd"]
@@ -70,6 +68,33 @@ def _forward_impl(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(out, lse, rng_state, probs)``; ``rng_state`` is a CPU int64 ``(1,)`` seed,
     ``probs`` is empty unless ``return_probs``. ``deterministic`` only matters to the backward."""
+    out, lse, seed, probs = _forward_core(
+        None, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+        causal, window_left, window_right, softcap, alibi_slopes, return_probs,
+    )  # fmt: skip
+    return out, lse, torch.tensor([seed], dtype=torch.int64), probs
+
+
+def _forward_core(
+    prob: AttnProblem | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    return_probs: bool,
+) -> tuple[Tensor, Tensor, int, Tensor]:
+    """``(out, lse, dropout seed, probs)`` (probs empty unless ``return_probs``); ``prob``: the inputs' validated problem, if the
+    caller has it (else :func:`flash_fwd` checks them again)."""
     varlen = cu_seqlens_q is not None
     seed = _draw_seed() if dropout_p > 0 else 0
     kw = {
@@ -78,16 +103,15 @@ def _forward_impl(
         "softmax_scale": softmax_scale, "causal": causal, "window_size": (window_left, window_right),
         "softcap": softcap, "alibi_slopes": alibi_slopes, "dropout_p": dropout_p,
     }  # fmt: skip
-    out, lse = flash_fwd(q, k, v, seed=seed, validate=False, **kw)  # type: ignore[arg-type]
-    if return_probs:
-        prob = check_attention_inputs(q, k, v, validate=False, **kw)  # type: ignore[arg-type]
-        probs = attention_probs(
-            q, k, lse, prob, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            alibi_slopes=alibi_slopes, seed=seed,
-        )  # fmt: skip
-    else:
-        probs = q.new_empty((0,), dtype=torch.float32)
-    return out, lse, torch.tensor([seed], dtype=torch.int64), probs
+    out, lse = flash_fwd(q, k, v, seed=seed, validate=False, problem=prob, **kw)  # type: ignore[arg-type]
+    if not return_probs:
+        return out, lse, seed, q.new_empty((0,), dtype=torch.float32)
+    prob = prob or check_attention_inputs(q, k, v, validate=False, **kw)  # type: ignore[arg-type]
+    probs = attention_probs(
+        q, k, lse, prob, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes,
+        seed=seed,
+    )  # fmt: skip
+    return out, lse, seed, probs
 
 
 _flash_attn_forward = torch.library.custom_op("flashpage::flash_attn_forward", _forward_impl, mutates_args=())
@@ -133,12 +157,25 @@ def _backward_impl(
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of :func:`_flash_attn_forward`."""
+    return _backward_core(
+        dout, q, k, v, out, lse, int(rng_state[0].item()), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+        deterministic,
+    )  # fmt: skip
+
+
+def _backward_core(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: int,
+    cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+    dropout_p: float, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+    softcap: float, alibi_slopes: Tensor | None, deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     varlen = cu_seqlens_q is not None
     return flash_bwd(
         dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q if varlen else None, max_seqlen_k=max_seqlen_k if varlen else None,
         softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=int(rng_state[0].item()),
+        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
         deterministic=deterministic, validate=False,
     )  # fmt: skip
 
@@ -165,23 +202,16 @@ def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, outp
     ctx.args = (max_sq, max_sk, p, scale, causal, wl, wr, cap, det)  # type: ignore[attr-defined]
 
 
-def _grads_from_ctx(
-    ctx: torch.autograd.function.FunctionCtx, dout: Tensor, backward: Callable[..., Any]
-) -> tuple:
+def _backward(ctx: torch.autograd.function.FunctionCtx, dout: Tensor, *_unused: Tensor) -> tuple:
     """Gradients of every forward input (``None`` for the non-tensor ones) from what
-    :func:`_setup_context` saved; ``backward`` is the custom op or its bare implementation
-    (:func:`flash_bwd` copies a ``dout`` without a unit last-dim stride itself)."""
+    :func:`_setup_context` saved (:func:`flash_bwd` copies a ``dout`` without a unit last-dim
+    stride itself)."""
     q, k, v, out, lse, rng, cu_q, cu_k, alibi = ctx.saved_tensors  # type: ignore[attr-defined]
     max_sq, max_sk, p, scale, causal, wl, wr, cap, det = ctx.args  # type: ignore[attr-defined]
-    dq, dk, dv = backward(
-        dout, q, k, v, out, lse, rng, cu_q, cu_k, max_sq, max_sk, p, scale, causal, wl, wr,
-        cap, alibi, det,
-    )  # fmt: skip
+    dq, dk, dv = _flash_attn_backward(
+        dout, q, k, v, out, lse, rng, cu_q, cu_k, max_sq, max_sk, p, scale, causal, wl, wr, cap, alibi, det
+    )
     return (dq, dk, dv) + (None,) * 13
-
-
-def _backward(ctx: torch.autograd.function.FunctionCtx, dout: Tensor, *_unused: Tensor) -> tuple:
-    return _grads_from_ctx(ctx, dout, _flash_attn_backward)
 
 
 torch.library.register_autograd("flashpage::flash_attn_forward", _backward, setup_context=_setup_context)
@@ -192,31 +222,52 @@ class _FlashAttnFunction(torch.autograd.Function):
 
     The custom-op dispatch costs ~100 us of Python per call (argument normalisation), which is the
     whole kernel time of a 1k-token causal forward; eager calls therefore take this path and only
-    ``torch.compile`` traces the custom ops.
+    ``torch.compile`` traces the custom ops. ``apply`` gets five arguments (``q, k, v``, the other
+    13 forward arguments as one tuple, the validated problem): its per-argument bookkeeping cost
+    about 20 us per call with all 16 (CPU measurement).
     """
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, *args: object) -> tuple[Tensor, ...]:  # type: ignore[override]
-        output = _forward_impl(*args)  # type: ignore[arg-type]
-        _setup_context(ctx, args, output)
-        ctx.mark_non_differentiable(*output[1:])
-        return output
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        rest: tuple,
+        prob: AttnProblem,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        # rest = (cu_q, cu_k, max_sq, max_sk, dropout_p, scale, causal, wl, wr, softcap, alibi,
+        #         deterministic, return_probs)
+        out, lse, seed, probs = _forward_core(prob, q, k, v, *rest[:11], rest[12])
+        ctx.save_for_backward(q, k, v, out, lse, rest[0], rest[1], rest[10])
+        ctx.rest, ctx.seed = rest, seed  # type: ignore[attr-defined]
+        ctx.mark_non_differentiable(lse, probs)
+        return out, lse, probs
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, dout: Tensor, *_unused: Tensor) -> tuple:  # type: ignore[override]
-        return _grads_from_ctx(ctx, dout, _backward_impl)
+        q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors  # type: ignore[attr-defined]
+        max_sq, max_sk, p, scale, causal, wl, wr, cap, _alibi, det = ctx.rest[2:12]  # type: ignore[attr-defined]
+        dq, dk, dv = _backward_core(
+            dout, q, k, v, out, lse, ctx.seed, cu_q, cu_k, max_sq, max_sk, p, scale, causal, wl, wr, cap,  # type: ignore[attr-defined]
+            alibi, det,
+        )  # fmt: skip
+        return dq, dk, dv, None, None
 
 
-def _triton_forward(*args: object) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The Triton forward with autograd: custom op under ``torch.compile``, else the eager Function
-    (or the bare implementation when nothing needs a gradient)."""
+def _triton_forward(prob: AttnProblem, *args: object) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, lse, probs)`` of the Triton forward with autograd: the custom op under
+    ``torch.compile``, else the eager Function (or the bare implementation when nothing needs a
+    gradient). ``args`` are the custom op's; ``prob`` is their validated problem."""
     if torch.compiler.is_compiling():
-        return _flash_attn_forward(*args)  # type: ignore[no-any-return]
+        out, lse, _rng, probs = _flash_attn_forward(*args)
+        return out, lse, probs
     q, k, v = args[0], args[1], args[2]
     needs_grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, k, v))
     if needs_grad:
-        return _FlashAttnFunction.apply(*args)  # type: ignore[no-any-return]
-    return _forward_impl(*args)  # type: ignore[arg-type]
+        return _FlashAttnFunction.apply(q, k, v, args[3:], prob)  # type: ignore[no-any-return]
+    out, lse, _seed, probs = _forward_core(prob, *args[:14], args[15])  # type: ignore[arg-type]
+    return out, lse, probs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,7 +367,7 @@ def flash_attn_func(
     """
     backend = resolve_backend(q.device if isinstance(q, Tensor) else None)
     validate = not torch.compiler.is_compiling()
-    check_attention_inputs(
+    prob = check_attention_inputs(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, dropout_p=dropout_p, validate=validate, kernel_device=backend == "triton",
     )  # fmt: skip
@@ -326,8 +377,8 @@ def flash_attn_func(
             q, k, v, dropout_p, scale, causal, tuple(window_size), softcap, alibi_slopes, return_attn_probs
         )
     else:
-        out, lse, _rng, probs = _triton_forward(
-            q, k, v, None, None, 0, 0, float(dropout_p), scale, bool(causal), int(window_size[0]),
+        out, lse, probs = _triton_forward(
+            prob, q, k, v, None, None, 0, 0, float(dropout_p), scale, bool(causal), int(window_size[0]),
             int(window_size[1]), float(softcap), alibi_slopes, bool(deterministic), bool(return_attn_probs),
         )  # fmt: skip
     return (out, lse, probs) if return_attn_probs else out
@@ -370,7 +421,7 @@ def flash_attn_varlen_func(
     backend = resolve_backend(q.device if isinstance(q, Tensor) else None)
     validate = not torch.compiler.is_compiling()
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-    check_attention_inputs(
+    prob = check_attention_inputs(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, validate=validate,
@@ -383,8 +434,8 @@ def flash_attn_varlen_func(
             tuple(window_size), softcap, alibi_slopes,
         )  # fmt: skip
     else:
-        out, lse, _rng, probs = _triton_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(dropout_p), scale,
+        out, lse, probs = _triton_forward(
+            prob, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(dropout_p), scale,
             bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
             bool(deterministic), bool(return_attn_probs),
         )  # fmt: skip

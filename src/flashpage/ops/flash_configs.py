@@ -230,8 +230,19 @@ def gpu_family(device: torch.device) -> str:
     """``"interpreter"``, ``"hopper"`` (sm_90), ``"ampere"`` (sm_8x), ``"blackwell"`` or ``"other"``."""
     if device.type != "cuda":
         return "interpreter"
-    major, _ = torch.cuda.get_device_capability(device)
+    major, _ = cuda_capability(device)
     return {8: "ampere", 9: "hopper", 10: "blackwell", 12: "blackwell"}.get(major, "other")
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of a CUDA device (cached: a query costs microseconds of host time and
+    the config lookups of every eager attention call ask several times)."""
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 @functools.cache
@@ -249,7 +260,7 @@ def tma_supported(device: torch.device) -> bool:
         return False
     if device.type != "cuda":
         return interpreter_enabled()
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return cuda_capability(device)[0] >= 9
 
 
 def fwd_config(

@@ -717,6 +717,7 @@ def flash_fwd(
     config: FwdConfig | None = None,
     validate: bool = True,
     out: Tensor | None = None,
+    problem: AttnProblem | None = None,
 ) -> tuple[Tensor, Tensor]:
     """FlashAttention forward (no autograd).
 
@@ -728,12 +729,14 @@ def flash_fwd(
         config: tile configuration; default: the tuned table / autotuner (flash_configs).
         validate: run the host-sync checks of cu_seqlens values.
         out: optional preallocated output like ``q``.
+        problem: the :func:`check_attention_inputs` result for exactly these arguments, when the
+            caller has already validated them (the eager API's path: skips a second check).
 
     Returns:
         ``out`` like ``q`` and ``lse`` float32 (natural log, ``-inf`` for rows with no visible key):
         ``(batch, nheads, seqlen_q)`` or varlen ``(nheads, total_q)``.
     """
-    prob = check_attention_inputs(
+    prob = problem or check_attention_inputs(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, validate=validate,
