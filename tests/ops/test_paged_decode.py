@@ -157,6 +157,20 @@ def test_kernel_configs_agree() -> None:
             assert_close_to_ref(out, ref[:, 0], same[:, 0])
 
 
+def test_head_major_cache_storage() -> None:
+    """The kernels take the caches' strides: a head-major physical storage of the same logical
+    ``(num_blocks, block_size, nheads_k, d)`` view (each head's page rows contiguous) decodes alike."""
+    lens = [70, 5, 33]
+    kc, vc, bt, sl = make_paged_cache(lens, 16, 2, 32)
+    kh, vh = (c.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for c in (kc, vc))
+    assert not kh.is_contiguous() and torch.equal(kh, kc)
+    q = torch.randn(3, 8, 32)
+    ref, _, same = _refs(q.unsqueeze(1), kc, vc, bt, sl)
+    for splits in (1, 2):
+        out = paged_decode(q, kh, vh, bt, sl, num_splits=splits)
+        assert_close_to_ref(out, ref[:, 0], same[:, 0])
+
+
 @pytest.mark.parametrize("cfg", [PagedAttnConfig(fused_combine=True), PagedAttnConfig(block_n=32, early_v=True,
                                  fused_combine=True)], ids=["fused-combine", "fused-early-v"])  # fmt: skip
 def test_fused_combine_and_early_v(cfg: PagedAttnConfig, device: str) -> None:

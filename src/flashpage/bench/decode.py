@@ -4,7 +4,9 @@ Decode rows (``bench="decode"``), GQA 32 q / 8 kv heads and MHA 32/32, d=128, bf
 sequence, paged cache with block size 16 (a random permutation of the blocks):
 
 * ``flashpage``: the split-KV paged decode kernel through ``plan_decode``/``run_decode``, the roofline
-  planner's split count and the default tiles (``variant="planner"``); with ``--variants`` also the
+  planner's split count and the default tiles (``variant="planner"``); the same plan over a
+  head-major physical storage of the same logical cache view (``variant="head-major"``: each head's
+  page rows contiguous); with ``--variants`` also the
   best of a sweep over split counts, ``BLOCK_N``, warps and stages (``variant="best"``); and fp8 e4m3
   KV with per-head scales (``dtype="fp8_e4m3"``, with ``ratio_vs_bf16`` of sequences x tokens / s);
 * ``sdpa-cudnn`` / ``sdpa-flash``: PyTorch SDPA on a contiguous ``(batch, nheads_k, ctx, d)`` cache
@@ -307,6 +309,30 @@ def bench_decode_shape(
         lambda: run_decode(plan, q, k_cache, v_cache, block_table, seqlens), device, time_ms
     )
     bf16_ms = ms
+
+    # The same plan over a head-major physical storage of the same logical (blocks, bs, hk, d)
+    # view: a program then reads its head's page rows as one contiguous run (bs * d elements)
+    # instead of d-element rows strided by nheads_k * d. Tells whether DRAM locality is part of
+    # the gap to cuDNN's contiguous cache (the kernels take any cache strides).
+    if hk > 1:
+        k_hm, v_hm = (c.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for c in (k_cache, v_cache))
+        o = run_decode(plan, q, k_hm, v_hm, block_table, seqlens)
+        e = _max_err(o, ref)
+        if e > _TOL:
+            notes.append(f"flashpage head-major b={b} ctx={ctx} h={h}/{hk}: max err {e:.3g} vs SDPA")
+        ms = time_ms(lambda: run_decode(plan, q, k_hm, v_hm, block_table, seqlens))
+        row(
+            "flashpage",
+            ms,
+            kv_bytes,
+            dtype_name,
+            variant="head-major",
+            num_splits=plan.num_splits,
+            config=_cfg_name(plan.config),
+            max_err=e,
+            block_size=bs,
+        )
+        del k_hm, v_hm
 
     if st.variants:
         best = None
