@@ -287,28 +287,24 @@ def bench_decode_shape(
     ref = _first_sdpa(q4, k_contig, v_contig, scale, gqa)[:, :, 0]
     dtype_name = str(dt).replace("torch.", "")
 
+    def timed_plan(variant: str, p: Any, kc: Tensor, vc: Tensor) -> dict[str, Any]:
+        """Check ``p`` over caches ``kc``/``vc`` against SDPA, time it and add its row."""
+        e = _max_err(run_decode(p, q, kc, vc, block_table, seqlens), ref)
+        if e > _TOL:
+            notes.append(f"flashpage {variant} b={b} ctx={ctx} h={h}/{hk}: max err {e:.3g} vs SDPA")
+        t = time_ms(lambda: run_decode(p, q, kc, vc, block_table, seqlens))
+        return row(
+            "flashpage", t, kv_bytes, dtype_name, variant=variant, num_splits=p.num_splits,
+            config=_cfg_name(p.config), max_err=e, block_size=bs,
+        )  # fmt: skip
+
     # flashpage, planner's choice.
     plan = plan_decode(b, h, hk, d, block_size=bs, max_seqlen_k=ctx, q_dtype=dt, device=device, num_splits=0)
-    out = run_decode(plan, q, k_cache, v_cache, block_table, seqlens)
-    err = _max_err(out, ref)
-    if err > _TOL:
-        notes.append(f"flashpage b={b} ctx={ctx} h={h}/{hk}: max err {err:.3g} vs SDPA")
-    ms = time_ms(lambda: run_decode(plan, q, k_cache, v_cache, block_table, seqlens))
-    r_fp = row(
-        "flashpage",
-        ms,
-        kv_bytes,
-        dtype_name,
-        variant="planner",
-        num_splits=plan.num_splits,
-        config=_cfg_name(plan.config),
-        max_err=err,
-        block_size=bs,
-    )
+    r_fp = timed_plan("planner", plan, k_cache, v_cache)
     r_fp["ms_graph"] = _graph_ms(
         lambda: run_decode(plan, q, k_cache, v_cache, block_table, seqlens), device, time_ms
     )
-    bf16_ms = ms
+    bf16_ms = r_fp["ms"]
 
     # The same plan over a head-major physical storage of the same logical (blocks, bs, hk, d)
     # view: a program then reads its head's page rows as one contiguous run (bs * d elements)
@@ -316,22 +312,7 @@ def bench_decode_shape(
     # the gap to cuDNN's contiguous cache (the kernels take any cache strides).
     if hk > 1:
         k_hm, v_hm = (c.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for c in (k_cache, v_cache))
-        o = run_decode(plan, q, k_hm, v_hm, block_table, seqlens)
-        e = _max_err(o, ref)
-        if e > _TOL:
-            notes.append(f"flashpage head-major b={b} ctx={ctx} h={h}/{hk}: max err {e:.3g} vs SDPA")
-        ms = time_ms(lambda: run_decode(plan, q, k_hm, v_hm, block_table, seqlens))
-        row(
-            "flashpage",
-            ms,
-            kv_bytes,
-            dtype_name,
-            variant="head-major",
-            num_splits=plan.num_splits,
-            config=_cfg_name(plan.config),
-            max_err=e,
-            block_size=bs,
-        )
+        timed_plan("head-major", plan, k_hm, v_hm)
         del k_hm, v_hm
 
     if st.variants:
@@ -362,22 +343,9 @@ def bench_decode_shape(
                     continue
                 t = sweep_ms(lambda p=p: run_decode(p, q, k_cache, v_cache, block_table, seqlens))
                 if best is None or t < best[0]:
-                    best = (t, p, e)
+                    best = (t, p)
         if best is not None:
-            _, p, e = best
-            t = time_ms(lambda p=p: run_decode(p, q, k_cache, v_cache, block_table, seqlens))
-            row(
-                "flashpage",
-                t,
-                kv_bytes,
-                dtype_name,
-                variant="best",
-                num_splits=p.num_splits,
-                config=_cfg_name(p.config),
-                max_err=e,
-                block_size=bs,
-            )
-            bf16_ms = min(bf16_ms, t)
+            bf16_ms = min(bf16_ms, timed_plan("best", best[1], k_cache, v_cache)["ms"])
 
     # SDPA on the contiguous cache; gather-then-SDPA over the paged one.
     for name in ("sdpa-cudnn", "sdpa-flash"):

@@ -68,49 +68,42 @@ def _forward_impl(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(out, lse, rng_state, probs)``; ``rng_state`` is a CPU int64 ``(1,)`` seed,
     ``probs`` is empty unless ``return_probs``. ``deterministic`` only matters to the backward."""
-    out, lse, seed, probs = _forward_core(
-        None, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-        causal, window_left, window_right, softcap, alibi_slopes, return_probs,
+    rest = (
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_left, window_right, softcap, alibi_slopes, deterministic, return_probs,
     )  # fmt: skip
+    out, lse, seed, probs = _forward_core(None, q, k, v, rest)
     return out, lse, torch.tensor([seed], dtype=torch.int64), probs
 
 
+# The op's arguments after q, k, v as one tuple: what the eager autograd Function carries.
+_Rest = tuple[
+    Tensor | None, Tensor | None, int, int, float, float, bool, int, int, float, Tensor | None, bool, bool
+]
+
+
 def _forward_core(
-    prob: AttnProblem | None,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor | None,
-    cu_seqlens_k: Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float,
-    softmax_scale: float,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi_slopes: Tensor | None,
-    return_probs: bool,
+    prob: AttnProblem | None, q: Tensor, k: Tensor, v: Tensor, rest: _Rest
 ) -> tuple[Tensor, Tensor, int, Tensor]:
-    """``(out, lse, dropout seed, probs)`` (probs empty unless ``return_probs``); ``prob``: the inputs' validated problem, if the
-    caller has it (else :func:`flash_fwd` checks them again)."""
-    varlen = cu_seqlens_q is not None
+    """``(out, lse, dropout seed, probs)`` (probs empty unless ``return_probs``). ``rest``: the
+    op's arguments after ``q, k, v``; ``prob``: their validated problem when the caller has it
+    (else :func:`flash_fwd` checks them again)."""
+    cu_q, cu_k, max_sq, max_sk, dropout_p, scale, causal, wl, wr, softcap, alibi, _det, return_probs = rest
+    varlen = cu_q is not None
     seed = _draw_seed() if dropout_p > 0 else 0
     kw = {
-        "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
-        "max_seqlen_q": max_seqlen_q if varlen else None, "max_seqlen_k": max_seqlen_k if varlen else None,
-        "softmax_scale": softmax_scale, "causal": causal, "window_size": (window_left, window_right),
-        "softcap": softcap, "alibi_slopes": alibi_slopes, "dropout_p": dropout_p,
+        "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
+        "max_seqlen_q": max_sq if varlen else None, "max_seqlen_k": max_sk if varlen else None,
+        "softmax_scale": scale, "causal": causal, "window_size": (wl, wr), "softcap": softcap,
+        "alibi_slopes": alibi, "dropout_p": dropout_p,
     }  # fmt: skip
     out, lse = flash_fwd(q, k, v, seed=seed, validate=False, problem=prob, **kw)  # type: ignore[arg-type]
     if not return_probs:
         return out, lse, seed, q.new_empty((0,), dtype=torch.float32)
     prob = prob or check_attention_inputs(q, k, v, validate=False, **kw)  # type: ignore[arg-type]
     probs = attention_probs(
-        q, k, lse, prob, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes,
-        seed=seed,
-    )  # fmt: skip
+        q, k, lse, prob, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, alibi_slopes=alibi, seed=seed
+    )
     return out, lse, seed, probs
 
 
@@ -157,26 +150,24 @@ def _backward_impl(
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of :func:`_flash_attn_forward`."""
-    return _backward_core(
-        dout, q, k, v, out, lse, int(rng_state[0].item()), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-        deterministic,
+    rest = (
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_left, window_right, softcap, alibi_slopes, deterministic, False,
     )  # fmt: skip
+    return _backward_core(dout, q, k, v, out, lse, int(rng_state[0].item()), rest)
 
 
 def _backward_core(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: int,
-    cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
-    dropout_p: float, softmax_scale: float, causal: bool, window_left: int, window_right: int,
-    softcap: float, alibi_slopes: Tensor | None, deterministic: bool,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    varlen = cu_seqlens_q is not None
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: int, rest: _Rest
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)``; ``rest``: the forward op's arguments after ``q, k, v``."""
+    cu_q, cu_k, max_sq, max_sk, dropout_p, scale, causal, wl, wr, softcap, alibi, det, _probs = rest
+    varlen = cu_q is not None
     return flash_bwd(
-        dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q if varlen else None, max_seqlen_k=max_seqlen_k if varlen else None,
-        softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-        deterministic=deterministic, validate=False,
+        dout, q, k, v, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        max_seqlen_q=max_sq if varlen else None, max_seqlen_k=max_sk if varlen else None,
+        softmax_scale=scale, causal=causal, window_size=(wl, wr), softcap=softcap, alibi_slopes=alibi,
+        dropout_p=dropout_p, seed=seed, deterministic=det, validate=False,
     )  # fmt: skip
 
 
@@ -233,25 +224,19 @@ class _FlashAttnFunction(torch.autograd.Function):
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        rest: tuple,
+        rest: _Rest,
         prob: AttnProblem,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        # rest = (cu_q, cu_k, max_sq, max_sk, dropout_p, scale, causal, wl, wr, softcap, alibi,
-        #         deterministic, return_probs)
-        out, lse, seed, probs = _forward_core(prob, q, k, v, *rest[:11], rest[12])
-        ctx.save_for_backward(q, k, v, out, lse, rest[0], rest[1], rest[10])
+        out, lse, seed, probs = _forward_core(prob, q, k, v, rest)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.rest, ctx.seed = rest, seed  # type: ignore[attr-defined]
         ctx.mark_non_differentiable(lse, probs)
         return out, lse, probs
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, dout: Tensor, *_unused: Tensor) -> tuple:  # type: ignore[override]
-        q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors  # type: ignore[attr-defined]
-        max_sq, max_sk, p, scale, causal, wl, wr, cap, _alibi, det = ctx.rest[2:12]  # type: ignore[attr-defined]
-        dq, dk, dv = _backward_core(
-            dout, q, k, v, out, lse, ctx.seed, cu_q, cu_k, max_sq, max_sk, p, scale, causal, wl, wr, cap,  # type: ignore[attr-defined]
-            alibi, det,
-        )  # fmt: skip
+        q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+        dq, dk, dv = _backward_core(dout, q, k, v, out, lse, ctx.seed, ctx.rest)  # type: ignore[attr-defined]
         return dq, dk, dv, None, None
 
 
@@ -266,7 +251,7 @@ def _triton_forward(prob: AttnProblem, *args: object) -> tuple[Tensor, Tensor, T
     needs_grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, k, v))
     if needs_grad:
         return _FlashAttnFunction.apply(q, k, v, args[3:], prob)  # type: ignore[no-any-return]
-    out, lse, _seed, probs = _forward_core(prob, *args[:14], args[15])  # type: ignore[arg-type]
+    out, lse, _seed, probs = _forward_core(prob, q, k, v, args[3:])  # type: ignore[arg-type]
     return out, lse, probs
 
 
