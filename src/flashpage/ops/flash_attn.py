@@ -100,7 +100,8 @@ def _forward_core(
     out, lse = flash_fwd(q, k, v, seed=seed, validate=False, problem=prob, **kw)  # type: ignore[arg-type]
     if not return_probs:
         return out, lse, seed, q.new_empty((0,), dtype=torch.float32)
-    prob = prob or check_attention_inputs(q, k, v, validate=False, **kw)  # type: ignore[arg-type]
+    if prob is None:
+        prob = check_attention_inputs(q, k, v, validate=False, **kw)  # type: ignore[arg-type]
     probs = attention_probs(
         q, k, lse, prob, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, alibi_slopes=alibi, seed=seed
     )

@@ -736,11 +736,13 @@ def flash_fwd(
         ``out`` like ``q`` and ``lse`` float32 (natural log, ``-inf`` for rows with no visible key):
         ``(batch, nheads, seqlen_q)`` or varlen ``(nheads, total_q)``.
     """
-    prob = problem or check_attention_inputs(
-        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, validate=validate,
-    )  # fmt: skip
+    prob = problem
+    if prob is None:
+        prob = check_attention_inputs(
+            q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, validate=validate,
+        )  # fmt: skip
     if needs_interpreter_upcast(q):
         o32, lse = flash_fwd(
             q.float(), k.float(), v.float(), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
