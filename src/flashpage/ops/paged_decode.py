@@ -118,7 +118,9 @@ class PagedAttnConfig:
 def default_decode_config(kv_dtype: torch.dtype, head_dim: int) -> PagedAttnConfig:
     """Decode defaults: 64-token tiles, 4 warps (fp8 KV: 128-token tiles, same bytes per tile, 8 warps).
 
-    On sm_90 (triton 3.9, d=128) these compile without spills: bf16 149 registers, fp8 188. The
+    On sm_90 (d=128) bf16 compiles without spills (triton 3.9: 149 registers, 3.6: 120); fp8 uses
+    188 registers with triton 3.9, while ptxas 12.8 under triton 3.6 allocates 128 (room for two per
+    SM) and spills 28 bytes (``--variants`` also sweeps 64 x 8 warps: 112 registers, no spill). The
     block-table indirection keeps Triton's pipeliner at one KV buffer, so ``num_stages > 2`` buys no
     extra prefetch on paged caches; bytes in flight come from occupancy (``flashpage bench decode
     --variants`` sweeps all four).
