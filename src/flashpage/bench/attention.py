@@ -9,7 +9,10 @@ not. Implementations measured in the same process:
   ``torch.nn.attention.sdpa_kernel`` on contiguous ``(batch, nheads, seqlen, d)`` tensors;
 * ``flex``: FlexAttention under ``torch.compile`` (head dim 128 only unless ``--flex-all``; one
   compile per shape, skipped when the time budget runs out);
-* ``flash-attn``: ``flash_attn.flash_attn_func`` when importable.
+* ``flash-attn``: ``flash_attn.flash_attn_func`` when importable;
+* ``triton-tutorial``: the Triton tutorial's FA2 forward (:mod:`flashpage.bench.tutorial_attn`, TMA,
+  on contiguous ``(batch, nheads, seqlen, d)``; forward rows only, d=128 only unless
+  ``--tutorial-all``; the faster of its two configs, named in ``config``).
 
 FLOPs: forward ``4 * batch * nheads * seqlen^2 * d`` (halved when causal), backward 2.5x the forward.
 Backward time = ``torch.autograd.grad`` of a retained graph (the backward kernels only).
@@ -91,6 +94,7 @@ class Settings:
     flex_dims: tuple[int, ...]
     budget_s: float
     smoke: bool
+    tutorial_dims: tuple[int, ...] = ()
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -114,7 +118,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     budget = args.budget_s if args.budget_s else (420.0 if args.quick else 540.0)
     # 100 ms of warm-up per timing: a row timed right after a compile (GPU idle, clocks down) came out
     # 20-40% slow at 1k tokens with 25 ms (H200, 2026-12-03: kernel_ms, timed later, did not).
-    return Settings(shapes, 100, 100, flex_dims, budget, args.smoke)
+    tutorial_dims = dims if args.tutorial_all or args.smoke else tuple(d for d in dims if d == 128)
+    return Settings(shapes, 100, 100, flex_dims, budget, args.smoke, tutorial_dims)
 
 
 def _timer(device: torch.device, warmup_ms: int, rep_ms: int) -> Callable[[Callable[[], Any]], float]:
@@ -156,6 +161,7 @@ class Impl:
     ctx: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     note: str = ""
     bhsd_inputs: bool = False  # gradients come back (batch, nheads, seqlen, d)
+    backward: bool = True  # False: forward rows only (no autograd)
 
 
 def _sdpa_impls(qt: Tensor, kt: Tensor, vt: Tensor, causal: bool, device: torch.device) -> list[Impl]:
@@ -190,6 +196,18 @@ class _Flex:
             mask = self.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, s, s, device=qt.device)
         fwd = lambda: self.fn(qt, kt, vt, block_mask=mask).transpose(1, 2)
         return Impl("flex", fwd, (qt, kt, vt), bhsd_inputs=True)
+
+
+def _tutorial_impls(qt: Tensor, kt: Tensor, vt: Tensor, causal: bool, smoke: bool) -> list[Impl]:
+    from flashpage.bench.tutorial_attn import TUTORIAL_CONFIGS, tutorial_attention
+
+    q, k, v = (t.detach() for t in (qt, kt, vt))
+    cfgs = [(16, 16, 4, 1)] if smoke else TUTORIAL_CONFIGS.get(qt.shape[-1], [])
+    return [
+        Impl("triton-tutorial", lambda c=c: tutorial_attention(q, k, v, causal, c).transpose(1, 2), (q, k, v),
+             note="m{}n{}w{}s{}".format(*c), backward=False)
+        for c in cfgs
+    ]  # fmt: skip
 
 
 def _flash_attn_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Impl | None:
@@ -231,22 +249,23 @@ def measure_impl(
 ) -> tuple[list[dict[str, Any]], bool]:
     """Check ``impl`` against the reference ``(out, dq, dk, dv)`` (bshd), then time fwd and bwd.
 
-    Returns the two rows and whether the check passed (out rel. err <= 2e-2, grads <= 5e-2)."""
+    Returns the rows (fwd, and bwd unless ``impl.backward`` is False) and whether the check passed
+    (out rel. err <= 2e-2, grads <= 5e-2)."""
     rows: list[dict[str, Any]] = []
     with impl.ctx():
         out = impl.fwd()
-        grads = _impl_grads(impl, out, do)
         err_o = _rel(out, ref[0])
-        err_g = max(_rel(g, r) for g, r in zip(grads, ref[1:]))
+        err_g = 0.0
+        if impl.backward:
+            grads = _impl_grads(impl, out, do)
+            err_g = max(_rel(g, r) for g, r in zip(grads, ref[1:]))
+            del grads
         ok = err_o <= 2e-2 and err_g <= 5e-2
-        del grads
-        ms_f = time_ms(impl.fwd)
-        out = impl.fwd()
-        ms_b = time_ms(lambda: _grads(out, impl.inputs, do))
-    for pas, ms, flops, err in (
-        ("fwd", ms_f, shape.fwd_flops, err_o),
-        ("bwd", ms_b, 2.5 * shape.fwd_flops, err_g),
-    ):
+        timed = [("fwd", time_ms(impl.fwd), shape.fwd_flops, err_o)]
+        if impl.backward:
+            out = impl.fwd()
+            timed.append(("bwd", time_ms(lambda: _grads(out, impl.inputs, do)), 2.5 * shape.fwd_flops, err_g))
+    for pas, ms, flops, err in timed:
         rows.append(
             {
                 "bench": "attention", "impl": impl.name, "dtype": "bfloat16", "batch": shape.batch,
@@ -301,6 +320,8 @@ def bench_shape(
     fa = _flash_attn_impl(q, k, v, shape.causal)
     if fa is not None:
         impls.append(fa)
+    if shape.d in st.tutorial_dims:
+        impls += _tutorial_impls(t["qt"], t["kt"], t["vt"], shape.causal, st.smoke)
     if flex is not None and shape.d in st.flex_dims:
         if time.perf_counter() < deadline:
             impls.append(flex.impl(t["qt"], t["kt"], t["vt"], shape.causal))
@@ -327,6 +348,9 @@ def bench_shape(
         if impl.name == "flashpage":
             _add_kernel_times(r, shape, q, k, v, do, time_ms)
         rows += r
+    tut = [row for row in rows if row["impl"] == "triton-tutorial"]
+    rows = [row for row in rows if row["impl"] != "triton-tutorial"]
+    rows += [min(tut, key=lambda row: row["ms"])] if tut else []  # the faster tutorial config
     base = {row["pass"]: row["tflops"] for row in rows if row["impl"] == "sdpa-flash"}
     for row in rows:
         if row["pass"] in base:
@@ -545,6 +569,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles are slow)")
     parser.add_argument(
         "--flex-all", action="store_true", help="FlexAttention at every head dim, not just 128"
+    )
+    parser.add_argument(
+        "--tutorial-all",
+        action="store_true",
+        help="the Triton-tutorial baseline at every head dim, not just 128",
     )
     parser.add_argument("--budget-s", type=float, default=None, help="skip flex after this many seconds")
     parser.add_argument(
