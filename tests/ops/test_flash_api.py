@@ -47,12 +47,13 @@ def test_func_forward_backward_gqa_alibi_softcap() -> None:
 @pytest.mark.parametrize("grad", [True, False])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_eager_call_validates_inputs_once(monkeypatch: pytest.MonkeyPatch, grad: bool, varlen: bool) -> None:
-    """Host time of short eager calls: the API validates once and hands the problem on (the
-    launcher does not check again)."""
+    """Host time of short eager calls: the API validates once and hands the problem on (neither
+    launcher checks again, forward or backward)."""
     import flashpage.ops.flash_attn as fa
+    import flashpage.ops.flash_bwd as fb
     import flashpage.ops.flash_fwd as ff
 
-    calls = {"api": 0, "launcher": 0}
+    calls = {"api": 0, "launcher": 0, "bwd": 0}
 
     def counting(name: str, fn):  # type: ignore[no-untyped-def]
         def wrapped(*a, **kw):  # type: ignore[no-untyped-def]
@@ -63,6 +64,7 @@ def test_eager_call_validates_inputs_once(monkeypatch: pytest.MonkeyPatch, grad:
 
     monkeypatch.setattr(fa, "check_attention_inputs", counting("api", ff.check_attention_inputs))
     monkeypatch.setattr(ff, "check_attention_inputs", counting("launcher", ff.check_attention_inputs))
+    monkeypatch.setattr(fb, "check_attention_inputs", counting("bwd", ff.check_attention_inputs))
     if varlen:
         q, k, v, cu_q, cu_k = (t.requires_grad_(grad) if t.is_floating_point() else t
                                for t in make_varlen([5, 17], [9, 17], 4, 2, 32))  # fmt: skip
@@ -70,8 +72,11 @@ def test_eager_call_validates_inputs_once(monkeypatch: pytest.MonkeyPatch, grad:
     else:
         q, k, v = make_qkv(2, 19, 26, 4, 2, 32, grad=grad)
         out = flash_attn_func(q, k, v, causal=True)
-    assert calls == {"api": 1, "launcher": 0}
     assert isinstance(out, Tensor) and out.requires_grad == grad
+    if grad:
+        out.sum().backward()
+        assert q.grad is not None and q.grad.shape == q.shape
+    assert calls == {"api": 1, "launcher": 0, "bwd": 0}
 
 
 @pytest.mark.usefixtures("triton_backend")

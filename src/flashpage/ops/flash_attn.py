@@ -155,20 +155,22 @@ def _backward_impl(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
         window_left, window_right, softcap, alibi_slopes, deterministic, False,
     )  # fmt: skip
-    return _backward_core(dout, q, k, v, out, lse, int(rng_state[0].item()), rest)
+    return _backward_core(None, dout, q, k, v, out, lse, int(rng_state[0].item()), rest)
 
 
 def _backward_core(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: int, rest: _Rest
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)``; ``rest``: the forward op's arguments after ``q, k, v``."""
+    prob: AttnProblem | None,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: int, rest: _Rest,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(dq, dk, dv)``; ``rest``: the forward op's arguments after ``q, k, v``; ``prob``: their
+    validated problem when the caller has it."""
     cu_q, cu_k, max_sq, max_sk, dropout_p, scale, causal, wl, wr, softcap, alibi, det, _probs = rest
     varlen = cu_q is not None
     return flash_bwd(
         dout, q, k, v, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         max_seqlen_q=max_sq if varlen else None, max_seqlen_k=max_sk if varlen else None,
         softmax_scale=scale, causal=causal, window_size=(wl, wr), softcap=softcap, alibi_slopes=alibi,
-        dropout_p=dropout_p, seed=seed, deterministic=det, validate=False,
+        dropout_p=dropout_p, seed=seed, deterministic=det, validate=False, problem=prob,
     )  # fmt: skip
 
 
@@ -230,14 +232,14 @@ class _FlashAttnFunction(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor, Tensor]:
         out, lse, seed, probs = _forward_core(prob, q, k, v, rest)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.rest, ctx.seed = rest, seed  # type: ignore[attr-defined]
+        ctx.rest, ctx.seed, ctx.prob = rest, seed, prob  # type: ignore[attr-defined]
         ctx.mark_non_differentiable(lse, probs)
         return out, lse, probs
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, dout: Tensor, *_unused: Tensor) -> tuple:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
-        dq, dk, dv = _backward_core(dout, q, k, v, out, lse, ctx.seed, ctx.rest)  # type: ignore[attr-defined]
+        dq, dk, dv = _backward_core(ctx.prob, dout, q, k, v, out, lse, ctx.seed, ctx.rest)  # type: ignore[attr-defined]
         return dq, dk, dv, None, None
 
 

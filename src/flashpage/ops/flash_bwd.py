@@ -538,6 +538,7 @@ def flash_bwd(
     deterministic: bool = False,
     config: BwdConfig | None = None,
     validate: bool = True,
+    problem: AttnProblem | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """FlashAttention backward: gradients of ``out = attention(q, k, v)`` given ``dout``.
 
@@ -547,15 +548,19 @@ def flash_bwd(
             (``seed`` must be the forward's dropout seed).
         deterministic: forbid atomics (dQ by its own kernel); gradients are then bit-identical run to run.
         config: tile configuration; default: the tuned table / autotuner.
+        problem: the :func:`check_attention_inputs` result for exactly these q/k/v arguments, when
+            the caller has already validated them (the eager API: skips a second check).
 
     Returns:
         ``dq`` like q, ``dk``/``dv`` like k/v (GQA: summed over each KV head's query heads).
     """
-    prob = check_attention_inputs(
-        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, validate=validate,
-    )  # fmt: skip
+    prob = problem
+    if prob is None:
+        prob = check_attention_inputs(
+            q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, validate=validate,
+        )  # fmt: skip
     for name, t in (("dout", dout), ("out", out)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
