@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashpage.bench.common import env_info, write_results
+from flashpage.bench.common import env_info, graph_ms, write_results
 
 TABLE_COLUMNS = [
     "impl",
@@ -391,29 +391,22 @@ def _add_kernel_times(
         "fwd": lambda: flash_attn_func(q, k, v, causal=shape.causal),
         "bwd": lambda: torch.autograd.grad(api_out, (q, k, v), do, retain_graph=True),
     }
-    times = {p: (_graph_ms(fn, time_ms, qd.is_cuda), _host_ms(api[p])) for p, fn in launchers.items()}
+    times = {p: (_kernel_ms(fn, time_ms, qd.device), _host_ms(api[p])) for p, fn in launchers.items()}
     for row in rows:
         row["kernel_ms"], row["host_ms"] = times[row["pass"]]
 
 
-def _graph_ms(
-    fn: Callable[[], Any], time_ms: Callable[[Callable[[], Any]], float], cuda: bool, reps: int = 10
+def _kernel_ms(
+    fn: Callable[[], Any], time_ms: Callable[[Callable[[], Any]], float], device: torch.device
 ) -> float:
-    """Milliseconds per call of ``fn`` replayed from a CUDA graph (no host cost); CPU, or a capture
-    that fails: ``fn`` timed directly."""
-    if not cuda:
-        return time_ms(fn)
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-    except RuntimeError as e:
-        print(f"  CUDA graph capture failed ({str(e)[:80]}); kernel_ms timed eagerly", flush=True)
-        return time_ms(fn)
-    return time_ms(graph.replay) / reps
+    """GPU milliseconds per call of ``fn``: 10 calls replayed from a CUDA graph; off CUDA, or when
+    the capture fails, ``fn`` timed directly."""
+    ms = graph_ms(fn, device, time_ms, reps=10)
+    if ms is None:
+        if device.type == "cuda":
+            print("  CUDA graph capture failed; kernel_ms timed eagerly", flush=True)
+        ms = time_ms(fn)
+    return ms
 
 
 def _host_ms(fn: Callable[[], Any], calls: int = 50) -> float:

@@ -151,3 +151,26 @@ def do_bench_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> floa
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def graph_ms(
+    fn: Callable[[], Any], device: torch.device, time_ms: Callable[[Callable[[], Any]], float], reps: int = 1
+) -> float | None:
+    """Milliseconds per call of ``fn`` replayed from a CUDA graph holding ``reps`` calls: GPU time
+    without host cost (and proof that ``fn`` is capturable). ``None`` off CUDA or when the capture
+    fails."""
+    if device.type != "cuda":
+        return None
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm: compilation and allocations outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+        return time_ms(graph.replay) / reps
+    except Exception:  # capture unsupported here
+        return None

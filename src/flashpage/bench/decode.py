@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashpage.bench.common import do_bench_ms, env_info, markdown_table, write_results
+from flashpage.bench.common import do_bench_ms, env_info, graph_ms, markdown_table, write_results
 
 TABLE_COLUMNS = [
     "bench",
@@ -303,7 +303,7 @@ def bench_decode_shape(
     # flashpage, planner's choice.
     plan = plan_decode(b, h, hk, d, block_size=bs, max_seqlen_k=ctx, q_dtype=dt, device=device, num_splits=0)
     r_fp = timed_plan("planner", plan, k_cache, v_cache)
-    r_fp["ms_graph"] = _graph_ms(
+    r_fp["ms_graph"] = graph_ms(
         lambda: run_decode(plan, q, k_cache, v_cache, block_table, seqlens), device, time_ms
     )
     bf16_ms = r_fp["ms"]
@@ -483,26 +483,6 @@ def bench_decode_shape(
                 ratio_vs_bf16=bf16_ms / t,
             )
     return rows, notes
-
-
-def _graph_ms(
-    fn: Callable[[], Any], device: torch.device, time_ms: Callable[[Callable[[], Any]], float]
-) -> float | None:
-    """Milliseconds per replay of ``fn`` captured in a CUDA graph (proves ``run`` is capturable)."""
-    if device.type != "cuda":
-        return None
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()  # warm: compilation and allocations outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return time_ms(graph.replay)
-    except Exception:  # capture unsupported here: the eager time stands alone
-        return None
 
 
 def _external_rows(

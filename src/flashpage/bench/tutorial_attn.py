@@ -23,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from flashpage.ops.flash_configs import tma_supported
+from flashpage.ops.flash_fwd import make_row_descriptor
 
 __all__ = ["TUTORIAL_CONFIGS", "tutorial_attention"]
 
@@ -109,14 +110,12 @@ def tutorial_attention(
     if s % bm or s % bn or bm % bn or d & (d - 1):
         raise ValueError(f"seqlen {s} must be a multiple of the {bm} x {bn} tiles, d={d} a power of two")
     out = torch.empty_like(q)
-    rows = [t.view(b * h * s, d) for t in (q, k, v)]
+    # (rows, 1 head, d): flashpage's packed row view, so its TMA descriptor helper applies.
+    rows = [t.view(b * h * s, 1, d) for t in (q, k, v)]
     use_tma = tma_supported(q.device)
     descs: list[Any] = list(rows)
     if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        # Positional arguments: the constructor's keyword set differs between triton 3.6 and 3.9.
-        descs = [TensorDescriptor(t, list(t.shape), [d, 1], [blk, d]) for t, blk in zip(rows, (bm, bn, bn))]
+        descs = [make_row_descriptor(t, True, blk, d) for t, blk in zip(rows, (bm, bn, bn))]
     _tutorial_fwd_kernel[(s // bm, b * h)](
         *descs, *rows, out, s, d**-0.5 * 1.4426950408889634,
         D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, USE_TMA=use_tma, num_warps=warps, num_stages=stages,
