@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import Tensor
 
+from flashpage.ops import flash_bwd as flash_bwd_module
 from flashpage.ops.flash_bwd import flash_bwd
 from flashpage.ops.flash_configs import BwdConfig
 from flashpage.ops.flash_fwd import attention_probs, check_attention_inputs, flash_fwd
@@ -19,6 +22,8 @@ SEPARATE_TMA = BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, "separate", use_tma=True)
 ATOMIC_TMA = BwdConfig(16, 32, 16, 16, 4, 1, 4, 1, "atomic", use_tma=True)
 # TMA bulk reduce-adds of dQ on a GPU; the scalar-atomic fallback under the interpreter.
 ATOMIC_BULK = BwdConfig(16, 32, 16, 16, 4, 1, 4, 1, "atomic_tma", use_tma=True)
+FUSED = BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, "fused")
+FUSED_TMA = BwdConfig(16, 32, 16, 16, 4, 1, 4, 1, "fused", use_tma=True)
 
 
 def ref_grads(
@@ -99,6 +104,43 @@ def test_split_dkdv_equals_fused(opts: dict, mode: str) -> None:
     check_grads(q, k, v, cfg=split, causal=True)
 
 
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"causal": True},
+        {"window_size": (5, 3), "softcap": 3.0},
+        {"causal": True, "dropout_p": 0.2, "seed": 5, "alibi": "heads"},
+    ],
+    ids=["causal", "window-softcap", "dropout-alibi"],
+)
+@pytest.mark.parametrize(
+    "cfg", [FUSED, FUSED_TMA, replace(FUSED, split_dkdv=True)], ids=["fused", "fused-tma", "fused-split"]
+)
+def test_fused_dq_equals_separate(opts: dict, cfg: BwdConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dq_mode="fused" runs the dQ kernel's programs inside the dK/dV launch: the same dots in the
+    same order, so bit-identical gradients to "separate", from one launch (the standalone kernels are
+    removed for the fused call; split mode still has its dV-only launch)."""
+    opts = dict(opts)
+    alibi = _alibi(opts.pop("alibi", None), 1, 8)
+    q, k, v = make_qkv(1, 37, 30, 8, 2, 64)  # GQA 4: dQ programs of 4 query heads per KV head
+    do = torch.randn_like(q)
+    out, lse = flash_fwd(q, k, v, alibi_slopes=alibi, **opts)
+    want = flash_bwd(
+        do, q, k, v, out, lse, alibi_slopes=alibi, config=replace(cfg, dq_mode="separate"), **opts
+    )
+    monkeypatch.setattr(flash_bwd_module, "_bwd_dq_kernel", None)
+    if not cfg.split_dkdv:
+        monkeypatch.setattr(flash_bwd_module, "_bwd_dkdv_kernel", None)
+    got = flash_bwd(do, q, k, v, out, lse, alibi_slopes=alibi, config=cfg, **opts)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+
+
+def test_fused_config_needs_one_launch_shape() -> None:
+    with pytest.raises(ValueError, match="num_warps2 / num_stages2"):
+        BwdConfig(64, 128, 128, 64, 8, 3, 4, 3, "fused")
+
+
 def test_backward_half_precision() -> None:
     q, k, v = make_qkv(1, 24, 30, 2, 1, 64, dtype=torch.float16)
     check_grads(q, k, v, causal=True)
@@ -109,7 +151,7 @@ def test_backward_varlen_uneven() -> None:
     q, k, v, cq, ck = make_varlen(lens_q, lens_k, 4, 2, 32, pad=2)
     kw = {"cu_seqlens_q": cq, "cu_seqlens_k": ck, "max_seqlen_q": 22, "max_seqlen_k": 22, "causal": True}
     do = torch.randn_like(q)
-    for cfg in (SEPARATE, ATOMIC, ATOMIC_BULK):
+    for cfg in (SEPARATE, ATOMIC, ATOMIC_BULK, FUSED):
         out, lse = flash_fwd(q, k, v, **kw)  # type: ignore[arg-type]
         dq, dk, dv = flash_bwd(do, q, k, v, out, lse, config=cfg, **kw)  # type: ignore[arg-type]
         qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
@@ -135,7 +177,7 @@ def test_backward_dropout_matches_reference_with_kernel_mask() -> None:
         assert_close_to_ref(g, r, r)
 
 
-@pytest.mark.parametrize("cfg", [SEPARATE, SEPARATE_TMA], ids=["ptr", "tma"])
+@pytest.mark.parametrize("cfg", [SEPARATE, SEPARATE_TMA, FUSED], ids=["ptr", "tma", "fused"])
 def test_deterministic_bit_identical(cfg: BwdConfig) -> None:
     q, k, v = make_qkv(1, 33, 33, 4, 1, 32)
     do = torch.randn_like(q)

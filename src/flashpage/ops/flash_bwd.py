@@ -167,6 +167,122 @@ def _dkdv_tiles(
     return dk, dv
 
 
+@triton.jit
+def _dkdv_program(
+    pid_n, pid_bh,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, ALIBI, CU_Q, CU_K, desc_q, desc_do, desc_dq,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh, stride_dqb, stride_dqm, stride_dqh,
+    stride_lb, stride_lh, stride_ab,
+    nheads_k, group, seqlen_q, seqlen_k,
+    sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PREC: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr, DQ_TMA: tl.constexpr,
+):  # fmt: skip
+    """dK/dV of KV tile ``pid_n`` of (sequence, KV head) ``pid_bh``: the body of the dK/dV kernel,
+    also run by the dK/dV programs of the fused launch. No early ``return`` (the fused kernel calls
+    this inside a branch), so the whole body sits under the tile's bounds check."""
+    b = pid_bh // nheads_k
+    hk = pid_bh % nheads_k
+    q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 < sk:
+        if VARLEN:
+            q_off = q_start.to(tl.int64) * stride_qm
+            do_off = q_start.to(tl.int64) * stride_dom
+            dq_off = q_start.to(tl.int64) * stride_dqm
+            l_off = q_start.to(tl.int64)
+            k_off = k_start.to(tl.int64) * stride_kn
+            v_off = k_start.to(tl.int64) * stride_vn
+            dk_off = k_start.to(tl.int64) * stride_dkn
+            dv_off = k_start.to(tl.int64) * stride_dvn
+        else:
+            q_off = b.to(tl.int64) * stride_qb
+            do_off = b.to(tl.int64) * stride_dob
+            dq_off = b.to(tl.int64) * stride_dqb
+            l_off = b.to(tl.int64) * stride_lb
+            k_off = b.to(tl.int64) * stride_kb
+            v_off = b.to(tl.int64) * stride_vb
+            dk_off = b.to(tl.int64) * stride_dkb
+            dv_off = b.to(tl.int64) * stride_dvb
+        off = sk - sq
+        nheads = nheads_k * group
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        k = _load_rows(K + k_off + hk * stride_kh, K, 0, 0, offs_n, offs_d, stride_kn, sk,
+                       HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
+        v = _load_rows(V + v_off + hk * stride_vh, V, 0, 0, offs_n, offs_d, stride_vn, sk,
+                       HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
+
+        # Query rows that see this KV tile: [m_lo, m_hi); fully visible query tiles: [fs, fe).
+        m_lo = 0
+        m_hi = sq
+        if HAS_RIGHT:
+            m_lo = (tl.maximum(n0 - off - window_right, 0) // BLOCK_M) * BLOCK_M
+        if HAS_LEFT:
+            m_hi = tl.minimum(sq, n0 + BLOCK_N - off + window_left)
+        fs = m_lo
+        if HAS_RIGHT:
+            fs = tl.maximum(
+                m_lo, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - off - window_right, 0), BLOCK_M) * BLOCK_M
+            )
+        fe_raw = sq
+        if HAS_LEFT:
+            fe_raw = tl.minimum(sq, n0 + window_left - off + 1)
+        fe = (tl.maximum(fe_raw, 0) // BLOCK_M) * BLOCK_M
+        fe = tl.where(n0 + BLOCK_N <= sk, fe, fs)  # a tile crossing the sequence end is never mask-free
+
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        for g in range(0, group):  # GQA: sum over the query heads of this KV head
+            h = hk * group + g
+            q_ptr = Q + q_off + h * stride_qh
+            do_ptr = DO + do_off + h * stride_doh
+            dq_ptr = DQ + dq_off + h * stride_dqh
+            lse_ptr = LSE + l_off + h * stride_lh
+            delta_ptr = DELTA + l_off + h * stride_lh
+            slope2 = 0.0
+            if HAS_ALIBI:
+                slope2 = tl.load(ALIBI + b * stride_ab + h).to(tl.float32) * LOG2E
+            rng_base = (b * nheads + h).to(tl.int64) * seqlen_q
+            if HAS_RIGHT:  # the diagonal / right-window edge
+                dk, dv = _dkdv_tiles(
+                    dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, desc_dq, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
+                    dq_ptr, m_lo, tl.minimum(fs, m_hi), offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
+                    sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
+                    dropout_p, drop_scale, seed, rng_base, seqlen_k,
+                    True, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
+                    ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV, DQ_TMA,
+                )  # fmt: skip
+            dk, dv = _dkdv_tiles(  # fully visible query tiles
+                dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, desc_dq, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
+                dq_ptr, fs, fe, offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
+                sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
+                dropout_p, drop_scale, seed, rng_base, seqlen_k,
+                False, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
+                ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV, DQ_TMA,
+            )  # fmt: skip
+            dk, dv = _dkdv_tiles(  # left-window edge / query-sequence end
+                dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, desc_dq, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
+                dq_ptr, tl.maximum(fe, fs), m_hi, offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
+                sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
+                dropout_p, drop_scale, seed, rng_base, seqlen_k,
+                True, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
+                ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV, DQ_TMA,
+            )  # fmt: skip
+
+        st_mask = (offs_n[:, None] < sk) & (offs_d[None, :] < HEAD_DIM)
+        dk_ptrs = DK + dk_off + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
+        dv_ptrs = DV + dv_off + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
+        if DO_DK:
+            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=st_mask)
+        if DO_DV:
+            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=st_mask)
+
+
 @triton.jit(do_not_specialize=["seed", "seqlen_q", "seqlen_k"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ, ALIBI, CU_Q, CU_K, desc_q, desc_do, desc_dq,
@@ -181,105 +297,18 @@ def _bwd_dkdv_kernel(
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PREC: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr, DQ_TMA: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // nheads_k
-    hk = pid_bh % nheads_k
-    q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
-    n0 = pid_n * BLOCK_N
-    if n0 >= sk:
-        return
-    if VARLEN:
-        q_off = q_start.to(tl.int64) * stride_qm
-        do_off = q_start.to(tl.int64) * stride_dom
-        dq_off = q_start.to(tl.int64) * stride_dqm
-        l_off = q_start.to(tl.int64)
-        k_off = k_start.to(tl.int64) * stride_kn
-        v_off = k_start.to(tl.int64) * stride_vn
-        dk_off = k_start.to(tl.int64) * stride_dkn
-        dv_off = k_start.to(tl.int64) * stride_dvn
-    else:
-        q_off = b.to(tl.int64) * stride_qb
-        do_off = b.to(tl.int64) * stride_dob
-        dq_off = b.to(tl.int64) * stride_dqb
-        l_off = b.to(tl.int64) * stride_lb
-        k_off = b.to(tl.int64) * stride_kb
-        v_off = b.to(tl.int64) * stride_vb
-        dk_off = b.to(tl.int64) * stride_dkb
-        dv_off = b.to(tl.int64) * stride_dvb
-    off = sk - sq
-    nheads = nheads_k * group
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    k = _load_rows(K + k_off + hk * stride_kh, K, 0, 0, offs_n, offs_d, stride_kn, sk,
-                   HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
-    v = _load_rows(V + v_off + hk * stride_vh, V, 0, 0, offs_n, offs_d, stride_vn, sk,
-                   HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
-
-    # Query rows that see this KV tile: [m_lo, m_hi); fully visible query tiles: [fs, fe).
-    m_lo = 0
-    m_hi = sq
-    if HAS_RIGHT:
-        m_lo = (tl.maximum(n0 - off - window_right, 0) // BLOCK_M) * BLOCK_M
-    if HAS_LEFT:
-        m_hi = tl.minimum(sq, n0 + BLOCK_N - off + window_left)
-    fs = m_lo
-    if HAS_RIGHT:
-        fs = tl.maximum(
-            m_lo, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - off - window_right, 0), BLOCK_M) * BLOCK_M
-        )
-    fe_raw = sq
-    if HAS_LEFT:
-        fe_raw = tl.minimum(sq, n0 + window_left - off + 1)
-    fe = (tl.maximum(fe_raw, 0) // BLOCK_M) * BLOCK_M
-    fe = tl.where(n0 + BLOCK_N <= sk, fe, fs)  # a tile crossing the sequence end is never mask-free
-
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for g in range(0, group):  # GQA: sum over the query heads of this KV head
-        h = hk * group + g
-        q_ptr = Q + q_off + h * stride_qh
-        do_ptr = DO + do_off + h * stride_doh
-        dq_ptr = DQ + dq_off + h * stride_dqh
-        lse_ptr = LSE + l_off + h * stride_lh
-        delta_ptr = DELTA + l_off + h * stride_lh
-        slope2 = 0.0
-        if HAS_ALIBI:
-            slope2 = tl.load(ALIBI + b * stride_ab + h).to(tl.float32) * LOG2E
-        rng_base = (b * nheads + h).to(tl.int64) * seqlen_q
-        if HAS_RIGHT:  # the diagonal / right-window edge
-            dk, dv = _dkdv_tiles(
-                dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, desc_dq, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
-                dq_ptr, m_lo, tl.minimum(fs, m_hi), offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
-                sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
-                dropout_p, drop_scale, seed, rng_base, seqlen_k,
-                True, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
-                ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV, DQ_TMA,
-            )  # fmt: skip
-        dk, dv = _dkdv_tiles(  # fully visible query tiles
-            dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, desc_dq, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
-            dq_ptr, fs, fe, offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
-            sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
-            dropout_p, drop_scale, seed, rng_base, seqlen_k,
-            False, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
-            ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV, DQ_TMA,
-        )  # fmt: skip
-        dk, dv = _dkdv_tiles(  # left-window edge / query-sequence end
-            dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, desc_dq, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
-            dq_ptr, tl.maximum(fe, fs), m_hi, offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
-            sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
-            dropout_p, drop_scale, seed, rng_base, seqlen_k,
-            True, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
-            ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV, DQ_TMA,
-        )  # fmt: skip
-
-    st_mask = (offs_n[:, None] < sk) & (offs_d[None, :] < HEAD_DIM)
-    dk_ptrs = DK + dk_off + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
-    dv_ptrs = DV + dv_off + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
-    if DO_DK:
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=st_mask)
-    if DO_DV:
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=st_mask)
+    _dkdv_program(
+        tl.program_id(0), tl.program_id(1),
+        Q, K, V, DO, LSE, DELTA, DK, DV, DQ, ALIBI, CU_Q, CU_K, desc_q, desc_do, desc_dq,
+        stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
+        stride_dvb, stride_dvn, stride_dvh, stride_dqb, stride_dqm, stride_dqh,
+        stride_lb, stride_lh, stride_ab,
+        nheads_k, group, seqlen_q, seqlen_k,
+        sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
+        ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV, DQ_TMA,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -320,6 +349,103 @@ def _dq_tiles(
     return dq
 
 
+@triton.jit
+def _dq_program(
+    pid_m, pid_bh,
+    Q, K, V, DO, LSE, DELTA, DQ, ALIBI, CU_Q, CU_K, desc_k, desc_v,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+    stride_lb, stride_lh, stride_ab,
+    nheads, group, seqlen_q, seqlen_k,
+    sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """dQ of query tile ``pid_m`` of (sequence, query head) ``pid_bh`` (the dQ kernel's body, also
+    run by the dQ programs of the fused launch; no early ``return``, see :func:`_dkdv_program`)."""
+    b = pid_bh // nheads
+    h = pid_bh % nheads
+    hk = h // group
+    q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 < sq:
+        if VARLEN:
+            q_off = q_start.to(tl.int64) * stride_qm
+            do_off = q_start.to(tl.int64) * stride_dom
+            dq_off = q_start.to(tl.int64) * stride_dqm
+            l_off = q_start.to(tl.int64)
+            k_off = k_start.to(tl.int64) * stride_kn
+            v_off = k_start.to(tl.int64) * stride_vn
+        else:
+            q_off = b.to(tl.int64) * stride_qb
+            do_off = b.to(tl.int64) * stride_dob
+            dq_off = b.to(tl.int64) * stride_dqb
+            l_off = b.to(tl.int64) * stride_lb
+            k_off = b.to(tl.int64) * stride_kb
+            v_off = b.to(tl.int64) * stride_vb
+        off = sk - sq
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        q = _load_rows(Q + q_off + h * stride_qh, Q, 0, 0, offs_m, offs_d, stride_qm, sq,
+                       HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
+        do = _load_rows(DO + do_off + h * stride_doh, DO, 0, 0, offs_m, offs_d, stride_dom, sq,
+                        HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
+        row_ok = offs_m < sq
+        lse2 = tl.load(LSE + l_off + h * stride_lh + offs_m, mask=row_ok, other=0.0) * LOG2E
+        delta = tl.load(DELTA + l_off + h * stride_lh + offs_m, mask=row_ok, other=0.0)
+        k_ptr = K + k_off + hk * stride_kh
+        v_ptr = V + v_off + hk * stride_vh
+        slope2 = 0.0
+        if HAS_ALIBI:
+            slope2 = tl.load(ALIBI + b * stride_ab + h).to(tl.float32) * LOG2E
+        rng_base = (b * nheads + h).to(tl.int64) * seqlen_q
+
+        lo = 0
+        hi = sk
+        if HAS_RIGHT:
+            hi = tl.minimum(sk, m0 + BLOCK_M + off + window_right)
+        if HAS_LEFT:
+            lo = (tl.maximum(m0 + off - window_left, 0) // BLOCK_N) * BLOCK_N
+        fs = lo
+        if HAS_LEFT:
+            fs = tl.maximum(lo, tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 + off - window_left, 0), BLOCK_N) * BLOCK_N)  # fmt: skip
+        fe_raw = sk
+        if HAS_RIGHT:
+            fe_raw = tl.minimum(sk, m0 + off + window_right + 1)
+        fe = (tl.maximum(fe_raw, 0) // BLOCK_N) * BLOCK_N
+
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        if HAS_LEFT:
+            dq = _dq_tiles(
+                dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, k_start, hk * HEAD_DIM,
+                lo, tl.minimum(fs, hi), offs_m, offs_d, stride_kn, stride_vn, sq, sk, off,
+                qk_scale, cap_in, cap_out, slope2, window_left, window_right,
+                dropout_p, drop_scale, seed, rng_base, seqlen_k,
+                True, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, USE_TMA,
+                DOT_PREC,
+            )  # fmt: skip
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, k_start, hk * HEAD_DIM,
+            fs, fe, offs_m, offs_d, stride_kn, stride_vn, sq, sk, off,
+            qk_scale, cap_in, cap_out, slope2, window_left, window_right,
+            dropout_p, drop_scale, seed, rng_base, seqlen_k,
+            False, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, USE_TMA,
+            DOT_PREC,
+        )  # fmt: skip
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, k_start, hk * HEAD_DIM,
+            tl.maximum(fe, fs), hi, offs_m, offs_d, stride_kn, stride_vn, sq, sk, off,
+            qk_scale, cap_in, cap_out, slope2, window_left, window_right,
+            dropout_p, drop_scale, seed, rng_base, seqlen_k,
+            True, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, USE_TMA,
+            DOT_PREC,
+        )  # fmt: skip
+        dq = dq * sm_scale
+        dq_ptrs = DQ + dq_off + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
 @triton.jit(do_not_specialize=["seed", "seqlen_q", "seqlen_k"])
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, ALIBI, CU_Q, CU_K, desc_k, desc_v,
@@ -334,90 +460,77 @@ def _bwd_dq_kernel(
     DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    if REVERSE_M:
+    if REVERSE_M:  # causal: heaviest query tiles first
         pid_m = tl.num_programs(0) - 1 - pid_m
-    b = pid_bh // nheads
-    h = pid_bh % nheads
-    hk = h // group
-    q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
-    m0 = pid_m * BLOCK_M
-    if m0 >= sq:
-        return
-    if VARLEN:
-        q_off = q_start.to(tl.int64) * stride_qm
-        do_off = q_start.to(tl.int64) * stride_dom
-        dq_off = q_start.to(tl.int64) * stride_dqm
-        l_off = q_start.to(tl.int64)
-        k_off = k_start.to(tl.int64) * stride_kn
-        v_off = k_start.to(tl.int64) * stride_vn
-    else:
-        q_off = b.to(tl.int64) * stride_qb
-        do_off = b.to(tl.int64) * stride_dob
-        dq_off = b.to(tl.int64) * stride_dqb
-        l_off = b.to(tl.int64) * stride_lb
-        k_off = b.to(tl.int64) * stride_kb
-        v_off = b.to(tl.int64) * stride_vb
-    off = sk - sq
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(Q + q_off + h * stride_qh, Q, 0, 0, offs_m, offs_d, stride_qm, sq,
-                   HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
-    do = _load_rows(DO + do_off + h * stride_doh, DO, 0, 0, offs_m, offs_d, stride_dom, sq,
-                    HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
-    row_ok = offs_m < sq
-    lse2 = tl.load(LSE + l_off + h * stride_lh + offs_m, mask=row_ok, other=0.0) * LOG2E
-    delta = tl.load(DELTA + l_off + h * stride_lh + offs_m, mask=row_ok, other=0.0)
-    k_ptr = K + k_off + hk * stride_kh
-    v_ptr = V + v_off + hk * stride_vh
-    slope2 = 0.0
-    if HAS_ALIBI:
-        slope2 = tl.load(ALIBI + b * stride_ab + h).to(tl.float32) * LOG2E
-    rng_base = (b * nheads + h).to(tl.int64) * seqlen_q
+    _dq_program(
+        pid_m, tl.program_id(1),
+        Q, K, V, DO, LSE, DELTA, DQ, ALIBI, CU_Q, CU_K, desc_k, desc_v,
+        stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+        stride_lb, stride_lh, stride_ab,
+        nheads, group, seqlen_q, seqlen_k,
+        sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
+        USE_TMA, DOT_PREC,
+    )  # fmt: skip
 
-    lo = 0
-    hi = sk
-    if HAS_RIGHT:
-        hi = tl.minimum(sk, m0 + BLOCK_M + off + window_right)
-    if HAS_LEFT:
-        lo = (tl.maximum(m0 + off - window_left, 0) // BLOCK_N) * BLOCK_N
-    fs = lo
-    if HAS_LEFT:
-        fs = tl.maximum(lo, tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 + off - window_left, 0), BLOCK_N) * BLOCK_N)
-    fe_raw = sk
-    if HAS_RIGHT:
-        fe_raw = tl.minimum(sk, m0 + off + window_right + 1)
-    fe = (tl.maximum(fe_raw, 0) // BLOCK_N) * BLOCK_N
 
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if HAS_LEFT:
-        dq = _dq_tiles(
-            dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, k_start, hk * HEAD_DIM,
-            lo, tl.minimum(fs, hi), offs_m, offs_d, stride_kn, stride_vn, sq, sk, off,
-            qk_scale, cap_in, cap_out, slope2, window_left, window_right,
-            dropout_p, drop_scale, seed, rng_base, seqlen_k,
-            True, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, USE_TMA,
-            DOT_PREC,
+@triton.jit(do_not_specialize=["seed", "seqlen_q", "seqlen_k"])
+def _bwd_fused_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, ALIBI, CU_Q, CU_K, desc_q, desc_do, desc_k, desc_v,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh, stride_dqb, stride_dqm, stride_dqh,
+    stride_lb, stride_lh, stride_ab,
+    nheads_k, group, seqlen_q, seqlen_k, n_kv_tiles, n_q_tiles,
+    sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA1: tl.constexpr, USE_TMA2: tl.constexpr,
+    REVERSE_M: tl.constexpr, DOT_PREC: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
+):  # fmt: skip
+    """dK/dV and dQ in one launch (``dq_mode="fused"``, the layout of FlexAttention's backward).
+
+    Grid ``(n_kv_tiles + group * n_q_tiles, batch * nheads_k)``: per (sequence, KV head), programs
+    ``[0, n_kv_tiles)`` are its dK/dV tiles, the rest the dQ tiles of its ``group`` query heads
+    (heaviest first when causal). Both kinds then share the GPU's waves: the shorter dQ programs fill
+    the last wave of dK/dV work instead of each kernel ending on its own partly idle wave, and the
+    dQ programs of a head run while its K/V are still in L2."""
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    if pid < n_kv_tiles:
+        _dkdv_program(
+            pid, pid_bh,
+            Q, K, V, DO, LSE, DELTA, DK, DV, DQ, ALIBI, CU_Q, CU_K, desc_q, desc_do, DQ,
+            stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+            stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
+            stride_dvb, stride_dvn, stride_dvh, stride_dqb, stride_dqm, stride_dqh,
+            stride_lb, stride_lh, stride_ab,
+            nheads_k, group, seqlen_q, seqlen_k,
+            sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+            HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
+            False, USE_TMA1, DOT_PREC, DO_DK, DO_DV, False,
         )  # fmt: skip
-    dq = _dq_tiles(
-        dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, k_start, hk * HEAD_DIM,
-        fs, fe, offs_m, offs_d, stride_kn, stride_vn, sq, sk, off,
-        qk_scale, cap_in, cap_out, slope2, window_left, window_right,
-        dropout_p, drop_scale, seed, rng_base, seqlen_k,
-        False, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, USE_TMA,
-        DOT_PREC,
-    )  # fmt: skip
-    dq = _dq_tiles(
-        dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, k_start, hk * HEAD_DIM,
-        tl.maximum(fe, fs), hi, offs_m, offs_d, stride_kn, stride_vn, sq, sk, off,
-        qk_scale, cap_in, cap_out, slope2, window_left, window_right,
-        dropout_p, drop_scale, seed, rng_base, seqlen_k,
-        True, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, USE_TMA,
-        DOT_PREC,
-    )  # fmt: skip
-    dq = dq * sm_scale
-    dq_ptrs = DQ + dq_off + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    else:
+        j = pid - n_kv_tiles
+        g = j // n_q_tiles
+        pid_m = j % n_q_tiles
+        if REVERSE_M:
+            pid_m = n_q_tiles - 1 - pid_m
+        b = pid_bh // nheads_k
+        h = (pid_bh % nheads_k) * group + g
+        _dq_program(
+            pid_m, b * nheads_k * group + h,
+            Q, K, V, DO, LSE, DELTA, DQ, ALIBI, CU_Q, CU_K, desc_k, desc_v,
+            stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+            stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+            stride_lb, stride_lh, stride_ab,
+            nheads_k * group, group, seqlen_q, seqlen_k,
+            sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+            HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
+            USE_TMA2, DOT_PREC,
+        )  # fmt: skip
 
 
 def _launch_bwd(
@@ -484,10 +597,28 @@ def _launch_bwd(
         and tma_row_view_ok(dq_acc, vl, d)
     )
     desc_dq = make_row_descriptor(dq_acc, vl, cfg.block_m1, d) if dq_tma else dq_acc
-    grid1 = (triton.cdiv(prob.seqlen_k, cfg.block_n1), prob.batch * prob.nheads_k)
-    # split_dkdv: one launch for dV, one for dK (+ atomic dQ): one accumulator per program.
+    n_kv_tiles = triton.cdiv(prob.seqlen_k, cfg.block_n1)
+    grid1 = (n_kv_tiles, prob.batch * prob.nheads_k)
+    # split_dkdv: one launch for dV, one for dK (+ atomic or fused dQ): one accumulator per program.
     passes = ((False, True), (True, False)) if cfg.split_dkdv else ((True, True),)
+    fused = cfg.dq_mode == "fused"
+    use_tma2 = not atomic and tma_ok and tma_row_view_ok(k, vl, d) and tma_row_view_ok(v, vl, d)
+    desc_k = make_row_descriptor(k, vl, cfg.block_n2, d) if use_tma2 else k
+    desc_v = make_row_descriptor(v, vl, cfg.block_n2, d) if use_tma2 else v
+    reverse_m = prob.window_right >= 0 and prob.window_left < 0
     for do_dk, do_dv in passes:
+        if fused and do_dk:
+            n_q_tiles = triton.cdiv(prob.seqlen_q, cfg.block_m2)
+            _bwd_fused_kernel[(n_kv_tiles + prob.group * n_q_tiles, prob.batch * prob.nheads_k)](
+                q, k, v, dout, lse, delta, dk, dv, dq, alibi, cq, ck, desc_q, desc_do, desc_k, desc_v,
+                *bsh_strides(q, vl), *bsh_strides(k, vl), *bsh_strides(v, vl), *bsh_strides(dout, vl),
+                *bsh_strides(dk, vl), *bsh_strides(dv, vl), *bsh_strides(dq, vl), stride_lb, stride_lh,
+                stride_ab, prob.nheads_k, prob.group, prob.seqlen_q, prob.seqlen_k, n_kv_tiles, n_q_tiles,
+                *scalars, BLOCK_M1=cfg.block_m1, BLOCK_N1=cfg.block_n1, BLOCK_M2=cfg.block_m2,
+                BLOCK_N2=cfg.block_n2, USE_TMA1=use_tma1, USE_TMA2=use_tma2, REVERSE_M=reverse_m,
+                DO_DK=do_dk, DO_DV=do_dv, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+            return
         _bwd_dkdv_kernel[grid1](
             q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, cq, ck, desc_q, desc_do, desc_dq,
             *bsh_strides(q, vl), *bsh_strides(k, vl), *bsh_strides(v, vl), *bsh_strides(dout, vl),
@@ -501,9 +632,6 @@ def _launch_bwd(
             dq.copy_(dq_acc)
         return
 
-    use_tma2 = tma_ok and tma_row_view_ok(k, vl, d) and tma_row_view_ok(v, vl, d)
-    desc_k = make_row_descriptor(k, vl, cfg.block_n2, d) if use_tma2 else k
-    desc_v = make_row_descriptor(v, vl, cfg.block_n2, d) if use_tma2 else v
     grid2 = (triton.cdiv(prob.seqlen_q, cfg.block_m2), prob.batch * prob.nheads)
     _bwd_dq_kernel[grid2](
         q, k, v, dout, lse, delta, dq, alibi, cq, ck, desc_k, desc_v,
@@ -511,7 +639,7 @@ def _launch_bwd(
         *bsh_strides(dq, vl), stride_lb, stride_lh, stride_ab,
         prob.nheads, prob.group, prob.seqlen_q, prob.seqlen_k, *scalars,
         BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2, USE_TMA=use_tma2,
-        REVERSE_M=prob.window_right >= 0 and prob.window_left < 0, **flags,
+        REVERSE_M=reverse_m, **flags,
         num_warps=cfg.num_warps2, num_stages=cfg.num_stages2,
     )  # fmt: skip
 
@@ -596,7 +724,7 @@ def flash_bwd(
         if autotune_enabled() and q.device.type == "cuda":
             cands = bwd_candidates(prob.head_dim, q.device)
             if deterministic:
-                cands = [c for c in cands if c.dq_mode == "separate"]
+                cands = [c for c in cands if c.dq_mode in ("separate", "fused")]
             config = autotune(  # type: ignore[assignment]
                 ("bwd", deterministic, *problem_key(prob, q, alibi_slopes is not None)),
                 cands,
@@ -605,7 +733,7 @@ def flash_bwd(
         else:
             config = bwd_config(prob.head_dim, q.dtype, prob.causal, q.device, prob.seqlen_k)
     assert config is not None
-    if deterministic and config.dq_mode != "separate":
+    if deterministic and config.dq_mode not in ("separate", "fused"):
         config = replace(config, dq_mode="separate")
     _launch_bwd(*args, config)
     return dq, dk, dv

@@ -46,7 +46,7 @@ __all__ = [
     "tuned_configs",
 ]
 
-_DQ_MODES = ("separate", "atomic", "atomic_tma")
+_DQ_MODES = ("separate", "fused", "atomic", "atomic_tma")
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,10 @@ class BwdConfig:
             inner step (unused with ``dq_mode="atomic"``).
         num_warps, num_stages: dK/dV kernel launch parameters.
         num_warps2, num_stages2: dQ kernel launch parameters.
-        dq_mode: ``"separate"`` (own kernel, no atomics, deterministic), ``"atomic"`` (fp32 atomic
+        dq_mode: ``"separate"`` (own kernel, no atomics, deterministic), ``"fused"`` (the same dQ
+            programs in the dK/dV launch, after each KV head's dK/dV programs, as FlexAttention's
+            backward does; deterministic; runs with ``num_warps`` / ``num_stages``, so
+            ``num_warps2`` / ``num_stages2`` must equal them), ``"atomic"`` (fp32 atomic
             adds from the dK/dV kernel: 5 instead of 7 matmuls per tile pair, not bit-reproducible) or
             ``"atomic_tma"`` (the same through one TMA bulk reduce-add per tile, Hopper+; the scalar
             atomics elsewhere). ``deterministic=True`` always uses ``"separate"``.
@@ -132,6 +135,13 @@ class BwdConfig:
             raise ValueError("BwdConfig.num_stages / num_stages2 must be >= 1")
         if self.dq_mode not in _DQ_MODES:
             raise ValueError(f"BwdConfig.dq_mode must be one of {_DQ_MODES}, got {self.dq_mode!r}")
+        one_launch = (self.num_warps2, self.num_stages2) == (self.num_warps, self.num_stages)
+        if self.dq_mode == "fused" and not one_launch:
+            raise ValueError(
+                "BwdConfig with dq_mode='fused' runs dQ in the dK/dV launch: num_warps2 / num_stages2 "
+                f"({self.num_warps2} / {self.num_stages2}) must equal num_warps / num_stages "
+                f"({self.num_warps} / {self.num_stages})"
+            )
 
     def short(self) -> str:
         """Compact label used by the benchmark's variant table."""
@@ -175,14 +185,17 @@ HOPPER_BWD: dict[tuple[int, bool, int], BwdConfig] = {
     (64, False, ANY_SEQLEN): BwdConfig(64, 64, 64, 64, 4, 3, 4, 3, "separate", True),
     (64, True, ANY_SEQLEN): BwdConfig(64, 64, 64, 64, 4, 3, 4, 3),
     (128, False, ANY_SEQLEN): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
-    (128, True, 1024): BwdConfig(32, 64, 64, 64, 4, 3, 4, 3),
-    (128, True, 4096): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3),
-    (128, True, ANY_SEQLEN): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3, "separate", True),
+    # d=128 causal (sweep of 2026-12-03 evening, same run, direct flash_bwd): dQ fused into the
+    # dK/dV launch with TMA, 401.7 / 346.2 / 233.8 TFLOP/s at 16k / 4k / 1k vs 388.1 / 338.7 / 223.8
+    # for the previous entries (repeat at 16k: 399-400 vs 390-398). Non-causal, fused is slower
+    # (362-370 vs 389.8 at 16k), so those keep the separate dQ kernel.
+    (128, True, ANY_SEQLEN): BwdConfig(64, 128, 128, 64, 8, 3, 8, 3, "fused", True),
     # d=256 (sweep of 2026-12-03, same H200 run as SDPA-flash: 255-308 TFLOP/s non-causal, 195-319
     # causal, 1.12-1.28x SDPA-flash at 1k-16k): dK and dV in two launches so one float32 accumulator
     # fits, with score tiles of 64 rows per 4 warps / 128 per 8 warps (see bwd_candidates).
     (256, False, ANY_SEQLEN): BwdConfig(64, 64, 128, 32, 4, 2, 8, 3, "separate", True, True),
-    (256, True, ANY_SEQLEN): BwdConfig(32, 128, 128, 32, 8, 3, 8, 3, "separate", True, True),
+    # causal: dQ fused into the dK pass (same evening sweep): 335.1 / 204.2 at 16k / 1k vs 332.0 / 194.6.
+    (256, True, ANY_SEQLEN): BwdConfig(32, 128, 128, 32, 8, 3, 8, 3, "fused", True, True),
 }
 
 
@@ -359,12 +372,13 @@ def bwd_candidates(head_dim: int, device: torch.device) -> list[BwdConfig]:
             BwdConfig(32, 128, 128, 32, 8, 2, 8, 3, split_dkdv=True),
         ]
         # Measured with TMA only (pointer loads of 64 x 256 tiles cost registers).
-        return [replace(c, use_tma=tma) for c in base]
+        return [replace(c, use_tma=tma) for c in base] + [replace(base[1], use_tma=tma, dq_mode="fused")]
     out = list(base)
     out += [replace(c, dq_mode="atomic") for c in base[:2]]
+    out += [replace(base[-1], dq_mode="fused")]
     if tma:
         out += [replace(c, use_tma=True) for c in base[:2]]
-        out += [replace(base[-1], use_tma=True)]
+        out += [replace(base[-1], use_tma=True), replace(base[-1], use_tma=True, dq_mode="fused")]
     # Measured slower on the H200 at 16k (2026-12-03), so not timed by the autotuner (still
     # selectable): dq_mode="atomic_tma" 302 vs 338 TFLOP/s (d=128, kv64x128, non-causal); at d=256
     # 16 warps 74 and the previous 8-warp 64 x 64 tiles 207 (vs 292 for the first candidate).
