@@ -42,7 +42,9 @@ from flashpage.ops.flash_fwd import (
     LOG2E,
     AttnProblem,
     _keep,
+    _key_range,
     _load_rows,
+    _row_off,
     _scores,
     _seq_bounds,
     _visible,
@@ -77,14 +79,9 @@ def _bwd_preprocess_kernel(
     m0 = pid_m * BLOCK_M
     if m0 >= sq:
         return
-    if VARLEN:
-        o_off = q_start.to(tl.int64) * stride_om
-        do_off = q_start.to(tl.int64) * stride_dom
-        l_off = q_start.to(tl.int64)
-    else:
-        o_off = b.to(tl.int64) * stride_ob
-        do_off = b.to(tl.int64) * stride_dob
-        l_off = b.to(tl.int64) * stride_lb
+    o_off = _row_off(q_start, b, stride_om, stride_ob, VARLEN)
+    do_off = _row_off(q_start, b, stride_dom, stride_dob, VARLEN)
+    l_off = _row_off(q_start, b, 1, stride_lb, VARLEN)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     o = _load_rows(O + o_off + h * stride_oh, O, 0, 0, offs_m, offs_d, stride_om, sq,
@@ -190,24 +187,14 @@ def _dkdv_program(
     q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 < sk:
-        if VARLEN:
-            q_off = q_start.to(tl.int64) * stride_qm
-            do_off = q_start.to(tl.int64) * stride_dom
-            dq_off = q_start.to(tl.int64) * stride_dqm
-            l_off = q_start.to(tl.int64)
-            k_off = k_start.to(tl.int64) * stride_kn
-            v_off = k_start.to(tl.int64) * stride_vn
-            dk_off = k_start.to(tl.int64) * stride_dkn
-            dv_off = k_start.to(tl.int64) * stride_dvn
-        else:
-            q_off = b.to(tl.int64) * stride_qb
-            do_off = b.to(tl.int64) * stride_dob
-            dq_off = b.to(tl.int64) * stride_dqb
-            l_off = b.to(tl.int64) * stride_lb
-            k_off = b.to(tl.int64) * stride_kb
-            v_off = b.to(tl.int64) * stride_vb
-            dk_off = b.to(tl.int64) * stride_dkb
-            dv_off = b.to(tl.int64) * stride_dvb
+        q_off = _row_off(q_start, b, stride_qm, stride_qb, VARLEN)
+        do_off = _row_off(q_start, b, stride_dom, stride_dob, VARLEN)
+        dq_off = _row_off(q_start, b, stride_dqm, stride_dqb, VARLEN)
+        l_off = _row_off(q_start, b, 1, stride_lb, VARLEN)
+        k_off = _row_off(k_start, b, stride_kn, stride_kb, VARLEN)
+        v_off = _row_off(k_start, b, stride_vn, stride_vb, VARLEN)
+        dk_off = _row_off(k_start, b, stride_dkn, stride_dkb, VARLEN)
+        dv_off = _row_off(k_start, b, stride_dvn, stride_dvb, VARLEN)
         off = sk - sq
         nheads = nheads_k * group
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -370,20 +357,12 @@ def _dq_program(
     q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 < sq:
-        if VARLEN:
-            q_off = q_start.to(tl.int64) * stride_qm
-            do_off = q_start.to(tl.int64) * stride_dom
-            dq_off = q_start.to(tl.int64) * stride_dqm
-            l_off = q_start.to(tl.int64)
-            k_off = k_start.to(tl.int64) * stride_kn
-            v_off = k_start.to(tl.int64) * stride_vn
-        else:
-            q_off = b.to(tl.int64) * stride_qb
-            do_off = b.to(tl.int64) * stride_dob
-            dq_off = b.to(tl.int64) * stride_dqb
-            l_off = b.to(tl.int64) * stride_lb
-            k_off = b.to(tl.int64) * stride_kb
-            v_off = b.to(tl.int64) * stride_vb
+        q_off = _row_off(q_start, b, stride_qm, stride_qb, VARLEN)
+        do_off = _row_off(q_start, b, stride_dom, stride_dob, VARLEN)
+        dq_off = _row_off(q_start, b, stride_dqm, stride_dqb, VARLEN)
+        l_off = _row_off(q_start, b, 1, stride_lb, VARLEN)
+        k_off = _row_off(k_start, b, stride_kn, stride_kb, VARLEN)
+        v_off = _row_off(k_start, b, stride_vn, stride_vb, VARLEN)
         off = sk - sq
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
@@ -401,19 +380,9 @@ def _dq_program(
             slope2 = tl.load(ALIBI + b * stride_ab + h).to(tl.float32) * LOG2E
         rng_base = (b * nheads + h).to(tl.int64) * seqlen_q
 
-        lo = 0
-        hi = sk
-        if HAS_RIGHT:
-            hi = tl.minimum(sk, m0 + BLOCK_M + off + window_right)
-        if HAS_LEFT:
-            lo = (tl.maximum(m0 + off - window_left, 0) // BLOCK_N) * BLOCK_N
-        fs = lo
-        if HAS_LEFT:
-            fs = tl.maximum(lo, tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 + off - window_left, 0), BLOCK_N) * BLOCK_N)  # fmt: skip
-        fe_raw = sk
-        if HAS_RIGHT:
-            fe_raw = tl.minimum(sk, m0 + off + window_right + 1)
-        fe = (tl.maximum(fe_raw, 0) // BLOCK_N) * BLOCK_N
+        lo, fs, fe, hi = _key_range(
+            m0, sk, off, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
+        )
 
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         if HAS_LEFT:

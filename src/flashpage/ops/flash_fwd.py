@@ -156,6 +156,39 @@ def _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
     return q_start, sq, k_start, sk
 
 
+@triton.jit
+def _row_off(start, b, stride_row, stride_batch, VARLEN: tl.constexpr):
+    """int64 element offset of a sequence's first row: varlen ``start * stride_row`` (packed rows),
+    padded batches ``b * stride_batch``."""
+    if VARLEN:
+        off = start.to(tl.int64) * stride_row
+    else:
+        off = b.to(tl.int64) * stride_batch
+    return off
+
+
+@triton.jit
+def _key_range(m0, sk, off, window_left, window_right,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):  # fmt: skip
+    """Key tiles of the query tile at row ``m0``: ``(lo, fs, fe, hi)``, the visible range ``[lo, hi)``
+    (bottom-right aligned causal / sliding window) and its mask-free middle ``[fs, fe)``, all in
+    multiples of ``BLOCK_N`` except ``hi``."""
+    lo = 0
+    hi = sk
+    if HAS_RIGHT:
+        hi = tl.minimum(sk, m0 + BLOCK_M + off + window_right)
+    if HAS_LEFT:
+        lo = (tl.maximum(m0 + off - window_left, 0) // BLOCK_N) * BLOCK_N
+    fs = lo
+    if HAS_LEFT:
+        fs = tl.maximum(lo, tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 + off - window_left, 0), BLOCK_N) * BLOCK_N)
+    fe_raw = sk
+    if HAS_RIGHT:
+        fe_raw = tl.minimum(sk, m0 + off + window_right + 1)
+    fe = (tl.maximum(fe_raw, 0) // BLOCK_N) * BLOCK_N
+    return lo, fs, fe, hi
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward kernel
 # ----------------------------------------------------------------------------------------------
@@ -237,18 +270,11 @@ def _attn_fwd_kernel(
     m0 = pid_m * BLOCK_M
     if m0 >= sq:
         return
-    if VARLEN:
-        q_off = q_start.to(tl.int64) * stride_qm
-        k_off = k_start.to(tl.int64) * stride_kn
-        v_off = k_start.to(tl.int64) * stride_vn
-        o_off = q_start.to(tl.int64) * stride_om
-        lse_off = q_start.to(tl.int64)
-    else:
-        q_off = b.to(tl.int64) * stride_qb
-        k_off = b.to(tl.int64) * stride_kb
-        v_off = b.to(tl.int64) * stride_vb
-        o_off = b.to(tl.int64) * stride_ob
-        lse_off = b.to(tl.int64) * stride_lb
+    q_off = _row_off(q_start, b, stride_qm, stride_qb, VARLEN)
+    k_off = _row_off(k_start, b, stride_kn, stride_kb, VARLEN)
+    v_off = _row_off(k_start, b, stride_vn, stride_vb, VARLEN)
+    o_off = _row_off(q_start, b, stride_om, stride_ob, VARLEN)
+    lse_off = _row_off(q_start, b, 1, stride_lb, VARLEN)
     q_ptr = Q + q_off + h * stride_qh
     k_ptr = K + k_off + hk * stride_kh
     v_ptr = V + v_off + hk * stride_vh
@@ -265,19 +291,7 @@ def _attn_fwd_kernel(
     rng_base = (b * nheads + h).to(tl.int64) * seqlen_q
 
     # Visible key range [lo, hi) of this row tile and its mask-free middle [fs, fe).
-    lo = 0
-    hi = sk
-    if HAS_RIGHT:
-        hi = tl.minimum(sk, m0 + BLOCK_M + off + window_right)
-    if HAS_LEFT:
-        lo = (tl.maximum(m0 + off - window_left, 0) // BLOCK_N) * BLOCK_N
-    fs = lo
-    if HAS_LEFT:
-        fs = tl.maximum(lo, tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 + off - window_left, 0), BLOCK_N) * BLOCK_N)
-    fe_raw = sk
-    if HAS_RIGHT:
-        fe_raw = tl.minimum(sk, m0 + off + window_right + 1)
-    fe = (tl.maximum(fe_raw, 0) // BLOCK_N) * BLOCK_N
+    lo, fs, fe, hi = _key_range(m0, sk, off, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -339,14 +353,9 @@ def _attn_probs_kernel(
     h = pid_bh % nheads
     hk = h // group
     q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
-    if VARLEN:
-        q_off = q_start.to(tl.int64) * stride_qm
-        k_off = k_start.to(tl.int64) * stride_kn
-        lse_off = q_start.to(tl.int64)
-    else:
-        q_off = b.to(tl.int64) * stride_qb
-        k_off = b.to(tl.int64) * stride_kb
-        lse_off = b.to(tl.int64) * stride_lb
+    q_off = _row_off(q_start, b, stride_qm, stride_qb, VARLEN)
+    k_off = _row_off(k_start, b, stride_kn, stride_kb, VARLEN)
+    lse_off = _row_off(q_start, b, 1, stride_lb, VARLEN)
     off = sk - sq
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
