@@ -493,10 +493,8 @@ def _bwd_fused_kernel(
         pid_m = j % n_q_tiles
         if REVERSE_M:
             pid_m = n_q_tiles - 1 - pid_m
-        b = pid_bh // nheads_k
-        h = (pid_bh % nheads_k) * group + g
-        _dq_program(
-            pid_m, b * nheads_k * group + h,
+        _dq_program(  # query head hk * group + g of the same sequence: row b * nheads + h
+            pid_m, pid_bh * group + g,
             Q, K, V, DO, LSE, DELTA, DQ, ALIBI, CU_Q, CU_K, desc_k, desc_v,
             stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
             stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
@@ -580,7 +578,6 @@ def _launch_bwd(
     use_tma2 = not atomic and tma_ok and tma_row_view_ok(k, vl, d) and tma_row_view_ok(v, vl, d)
     desc_k = make_row_descriptor(k, vl, cfg.block_n2, d) if use_tma2 else k
     desc_v = make_row_descriptor(v, vl, cfg.block_n2, d) if use_tma2 else v
-    reverse_m = prob.window_right >= 0 and prob.window_left < 0
     for do_dk, do_dv in passes:
         if fused and do_dk:
             n_q_tiles = triton.cdiv(prob.seqlen_q, cfg.block_m2)
@@ -590,7 +587,7 @@ def _launch_bwd(
                 *bsh_strides(dk, vl), *bsh_strides(dv, vl), *bsh_strides(dq, vl), stride_lb, stride_lh,
                 stride_ab, prob.nheads_k, prob.group, prob.seqlen_q, prob.seqlen_k, n_kv_tiles, n_q_tiles,
                 *scalars, BLOCK_M1=cfg.block_m1, BLOCK_N1=cfg.block_n1, BLOCK_M2=cfg.block_m2,
-                BLOCK_N2=cfg.block_n2, USE_TMA1=use_tma1, USE_TMA2=use_tma2, REVERSE_M=reverse_m,
+                BLOCK_N2=cfg.block_n2, USE_TMA1=use_tma1, USE_TMA2=use_tma2, REVERSE_M=prob.heavy_last,
                 DO_DK=do_dk, DO_DV=do_dv, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
             return
@@ -614,7 +611,7 @@ def _launch_bwd(
         *bsh_strides(dq, vl), stride_lb, stride_lh, stride_ab,
         prob.nheads, prob.group, prob.seqlen_q, prob.seqlen_k, *scalars,
         BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2, USE_TMA=use_tma2,
-        REVERSE_M=reverse_m, **flags,
+        REVERSE_M=prob.heavy_last, **flags,
         num_warps=cfg.num_warps2, num_stages=cfg.num_stages2,
     )  # fmt: skip
 

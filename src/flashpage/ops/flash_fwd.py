@@ -415,6 +415,12 @@ class AttnProblem:
     def block_d(self) -> int:
         return padded_head_dim(self.head_dim)
 
+    @property
+    def heavy_last(self) -> bool:
+        """Later query row tiles see more keys (a right window without a left one: causal); the
+        forward and dQ launches then start with the last row tiles (``REVERSE_M``)."""
+        return self.window_right >= 0 and self.window_left < 0
+
     def lse_shape(self, total_q: int) -> tuple[int, ...]:
         return (self.nheads, total_q) if self.varlen else (self.batch, self.nheads, self.seqlen_q)
 
@@ -686,7 +692,7 @@ def _launch_fwd(
         HEAD_DIM=d, BLOCK_D=prob.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         VARLEN=prob.varlen, HAS_LEFT=common["HAS_LEFT"], HAS_RIGHT=common["HAS_RIGHT"],
         SOFTCAP=common["SOFTCAP"], HAS_ALIBI=common["HAS_ALIBI"], DROPOUT=common["DROPOUT"],
-        USE_TMA=use_tma, REVERSE_M=prob.window_right >= 0 and prob.window_left < 0,
+        USE_TMA=use_tma, REVERSE_M=prob.heavy_last,
         PLAIN_SCORES=prob.softmax_scale > 0 and not common["SOFTCAP"] and alibi_slopes is None,
         DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
