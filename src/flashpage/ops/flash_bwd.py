@@ -30,6 +30,7 @@ reused, so forward and backward agree on masks, ALiBi, softcap and the dropout p
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 import triton
@@ -65,6 +66,7 @@ from flashpage.ops.flash_fwd import (
     problem_key,
     tma_row_view_ok,
 )
+from flashpage.ops.launch_cache import LaunchCache, aligned, int_spec
 
 __all__ = ["flash_bwd"]
 
@@ -506,6 +508,19 @@ def _bwd_fused_kernel(
         )  # fmt: skip
 
 
+# Compiled launches of the four backward kernels by launch key (see flashpage.ops.launch_cache), and
+# the positions of each kernel's per-call arguments: its tensor / descriptor arguments, the LSE
+# strides, seqlen_q, seqlen_k (the fused kernel: also its two tile counts) and the dropout seed.
+_PRE_LAUNCHES = LaunchCache(_bwd_preprocess_kernel)
+_DKDV_LAUNCHES = LaunchCache(_bwd_dkdv_kernel)
+_FUSED_LAUNCHES = LaunchCache(_bwd_fused_kernel)
+_DQ_LAUNCHES = LaunchCache(_bwd_dq_kernel)
+_PRE_SLOTS = (0, 1, 2, 3, 10, 11, 13)
+_DKDV_SLOTS = (*range(15), 36, 37, 41, 42, 51)
+_FUSED_SLOTS = (*range(16), 37, 38, 42, 43, 44, 45, 54)
+_DQ_SLOTS = (*range(12), 27, 28, 32, 33, 42)
+
+
 def _launch_bwd(
     prob: AttnProblem,
     dout: Tensor,
@@ -523,27 +538,28 @@ def _launch_bwd(
     seed: int,
     cfg: BwdConfig,
 ) -> None:
-    d, bd, vl = prob.head_dim, prob.block_d, prob.varlen
-    prec = dot_precision(q.dtype)
+    d, vl = prob.head_dim, prob.varlen
+    sq, sk = prob.seqlen_q, prob.seqlen_k
     cq = cu_q if cu_q is not None else q
     ck = cu_k if cu_k is not None else q
     delta = torch.empty_like(lse)
     stride_lb, stride_lh = lse_strides(prob, lse)
     pre_bm = 16 if q.device.type != "cuda" else 64
-    _bwd_preprocess_kernel[(triton.cdiv(prob.seqlen_q, pre_bm), prob.batch * prob.nheads)](
-        out, dout, delta, cq, *bsh_strides(out, vl), *bsh_strides(dout, vl), stride_lb, stride_lh,
-        prob.nheads, prob.seqlen_q, HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=pre_bm, VARLEN=vl, num_warps=4,
+    pre_key = (
+        prob.nheads, d, vl, q.dtype, q.device.index, out.stride(), dout.stride(),
+        aligned(out, dout, delta, cq), int_spec(stride_lb), int_spec(stride_lh), int_spec(sq),
     )  # fmt: skip
 
-    c = launch_common(prob, alibi_slopes)
-    flags = {
-        "HEAD_DIM": d, "BLOCK_D": bd, "VARLEN": vl, "HAS_LEFT": c["HAS_LEFT"], "HAS_RIGHT": c["HAS_RIGHT"],
-        "SOFTCAP": c["SOFTCAP"], "HAS_ALIBI": c["HAS_ALIBI"], "DROPOUT": c["DROPOUT"], "DOT_PREC": prec,
-    }  # fmt: skip
-    scalars = (
-        prob.softmax_scale, c["qk_scale"], c["cap_in"], c["cap_out"], c["window_left"], c["window_right"],
-        prob.dropout_p, 1.0 / (1.0 - prob.dropout_p), seed,
+    def build_pre() -> tuple[list[Any], dict[str, Any]]:
+        args = [out, dout, delta, cq, *bsh_strides(out, vl), *bsh_strides(dout, vl), stride_lb, stride_lh,
+                prob.nheads, sq]  # fmt: skip
+        return args, {"HEAD_DIM": d, "BLOCK_D": prob.block_d, "BLOCK_M": pre_bm, "VARLEN": vl, "num_warps": 4}
+
+    _PRE_LAUNCHES.launch(
+        pre_key, (triton.cdiv(sq, pre_bm), prob.batch * prob.nheads), _PRE_SLOTS,
+        (out, dout, delta, cq, stride_lb, stride_lh, sq), build_pre,
     )  # fmt: skip
+
     alibi, stride_ab = alibi_args(alibi_slopes, q)
     tma_ok = cfg.use_tma and tma_supported(q.device)
     atomic = cfg.dq_mode in ("atomic", "atomic_tma")
@@ -559,8 +575,8 @@ def _launch_bwd(
     )
 
     use_tma1 = tma_ok and tma_row_view_ok(q, vl, d) and tma_row_view_ok(dout, vl, d)
-    desc_q = make_row_descriptor(q, vl, cfg.block_m1, d) if use_tma1 else q
-    desc_do = make_row_descriptor(dout, vl, cfg.block_m1, d) if use_tma1 else dout
+    desc_q = make_row_descriptor(q, vl, cfg.block_m1, d, checked=True) if use_tma1 else q
+    desc_do = make_row_descriptor(dout, vl, cfg.block_m1, d, checked=True) if use_tma1 else dout
     # Bulk TMA reduce-adds need the real hardware (the 3.9 interpreter has no descriptor reductions):
     # elsewhere "atomic_tma" runs the scalar-atomic path (same arithmetic).
     dq_tma = (
@@ -569,50 +585,110 @@ def _launch_bwd(
         and tma_supported(q.device)
         and tma_row_view_ok(dq_acc, vl, d)
     )
-    desc_dq = make_row_descriptor(dq_acc, vl, cfg.block_m1, d) if dq_tma else dq_acc
-    n_kv_tiles = triton.cdiv(prob.seqlen_k, cfg.block_n1)
+    desc_dq = make_row_descriptor(dq_acc, vl, cfg.block_m1, d, checked=True) if dq_tma else dq_acc
+    n_kv_tiles = triton.cdiv(sk, cfg.block_n1)
+    n_q_tiles = triton.cdiv(sq, cfg.block_m2)
     grid1 = (n_kv_tiles, prob.batch * prob.nheads_k)
     # split_dkdv: one launch for dV, one for dK (+ atomic or fused dQ): one accumulator per program.
     passes = ((False, True), (True, False)) if cfg.split_dkdv else ((True, True),)
     fused = cfg.dq_mode == "fused"
     use_tma2 = not atomic and tma_ok and tma_row_view_ok(k, vl, d) and tma_row_view_ok(v, vl, d)
-    desc_k = make_row_descriptor(k, vl, cfg.block_n2, d) if use_tma2 else k
-    desc_v = make_row_descriptor(v, vl, cfg.block_n2, d) if use_tma2 else v
+    desc_k = make_row_descriptor(k, vl, cfg.block_n2, d, checked=True) if use_tma2 else k
+    desc_v = make_row_descriptor(v, vl, cfg.block_n2, d, checked=True) if use_tma2 else v
+    # What every backward launch's compiled kernel and static arguments depend on (launch_cache doc).
+    key = (
+        prob.nheads, prob.nheads_k, d, vl, prob.softmax_scale, prob.window_left, prob.window_right,
+        prob.softcap, prob.dropout_p, cfg, q.dtype, dq_acc.dtype, q.device.index, q.stride(), k.stride(),
+        v.stride(), dout.stride(), dk.stride(), dv.stride(), dq_acc.stride(), dq.stride(), stride_ab,
+        alibi_slopes is None, aligned(q, k, v, dout, lse, delta, dk, dv, dq_acc, dq, alibi, cq, ck),
+        int_spec(stride_lb), int_spec(stride_lh), int_spec(sq), int_spec(sk), int_spec(seed),
+        use_tma1, use_tma2, dq_tma,
+    )  # fmt: skip
+
+    def common_args() -> tuple[dict[str, Any], tuple[Any, ...]]:
+        c = launch_common(prob, alibi_slopes)
+        flags = {
+            "HEAD_DIM": d, "BLOCK_D": prob.block_d, "VARLEN": vl, "HAS_LEFT": c["HAS_LEFT"],
+            "HAS_RIGHT": c["HAS_RIGHT"], "SOFTCAP": c["SOFTCAP"], "HAS_ALIBI": c["HAS_ALIBI"],
+            "DROPOUT": c["DROPOUT"], "DOT_PREC": dot_precision(q.dtype),
+        }  # fmt: skip
+        scalars = (
+            prob.softmax_scale, c["qk_scale"], c["cap_in"], c["cap_out"], c["window_left"],
+            c["window_right"], prob.dropout_p, 1.0 / (1.0 - prob.dropout_p), seed,
+        )  # fmt: skip
+        return flags, scalars
+
+    def strides(*ts: Tensor) -> list[int]:
+        return [s for t in ts for s in bsh_strides(t, vl)]
+
     for do_dk, do_dv in passes:
         if fused and do_dk:
-            n_q_tiles = triton.cdiv(prob.seqlen_q, cfg.block_m2)
-            _bwd_fused_kernel[(n_kv_tiles + prob.group * n_q_tiles, prob.batch * prob.nheads_k)](
-                q, k, v, dout, lse, delta, dk, dv, dq, alibi, cq, ck, desc_q, desc_do, desc_k, desc_v,
-                *bsh_strides(q, vl), *bsh_strides(k, vl), *bsh_strides(v, vl), *bsh_strides(dout, vl),
-                *bsh_strides(dk, vl), *bsh_strides(dv, vl), *bsh_strides(dq, vl), stride_lb, stride_lh,
-                stride_ab, prob.nheads_k, prob.group, prob.seqlen_q, prob.seqlen_k, n_kv_tiles, n_q_tiles,
-                *scalars, BLOCK_M1=cfg.block_m1, BLOCK_N1=cfg.block_n1, BLOCK_M2=cfg.block_m2,
-                BLOCK_N2=cfg.block_n2, USE_TMA1=use_tma1, USE_TMA2=use_tma2, REVERSE_M=prob.heavy_last,
-                DO_DK=do_dk, DO_DV=do_dv, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+
+            def build_fused(do_dv: bool = do_dv) -> tuple[list[Any], dict[str, Any]]:
+                flags, scalars = common_args()
+                args = [
+                    q, k, v, dout, lse, delta, dk, dv, dq, alibi, cq, ck, desc_q, desc_do, desc_k, desc_v,
+                    *strides(q, k, v, dout, dk, dv, dq), stride_lb, stride_lh, stride_ab, prob.nheads_k,
+                    prob.group, sq, sk, n_kv_tiles, n_q_tiles, *scalars,
+                ]  # fmt: skip
+                kwargs = {
+                    "BLOCK_M1": cfg.block_m1, "BLOCK_N1": cfg.block_n1, "BLOCK_M2": cfg.block_m2,
+                    "BLOCK_N2": cfg.block_n2, "USE_TMA1": use_tma1, "USE_TMA2": use_tma2,
+                    "REVERSE_M": prob.heavy_last, "DO_DK": True, "DO_DV": do_dv, **flags,
+                    "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                }  # fmt: skip
+                return args, kwargs
+
+            _FUSED_LAUNCHES.launch(
+                (*key, do_dv, int_spec(n_kv_tiles), int_spec(n_q_tiles)),
+                (n_kv_tiles + prob.group * n_q_tiles, prob.batch * prob.nheads_k), _FUSED_SLOTS,
+                (q, k, v, dout, lse, delta, dk, dv, dq, alibi, cq, ck, desc_q, desc_do, desc_k, desc_v,
+                 stride_lb, stride_lh, sq, sk, n_kv_tiles, n_q_tiles, seed),
+                build_fused,
             )  # fmt: skip
             return
-        _bwd_dkdv_kernel[grid1](
-            q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, cq, ck, desc_q, desc_do, desc_dq,
-            *bsh_strides(q, vl), *bsh_strides(k, vl), *bsh_strides(v, vl), *bsh_strides(dout, vl),
-            *bsh_strides(dk, vl), *bsh_strides(dv, vl), *bsh_strides(dq_acc, vl), stride_lb, stride_lh,
-            stride_ab, prob.nheads_k, prob.group, prob.seqlen_q, prob.seqlen_k, *scalars,
-            BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, ATOMIC_DQ=atomic and do_dk, USE_TMA=use_tma1,
-            DO_DK=do_dk, DO_DV=do_dv, DQ_TMA=dq_tma, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+
+        def build_dkdv(do_dk: bool = do_dk, do_dv: bool = do_dv) -> tuple[list[Any], dict[str, Any]]:
+            flags, scalars = common_args()
+            args = [
+                q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, cq, ck, desc_q, desc_do, desc_dq,
+                *strides(q, k, v, dout, dk, dv, dq_acc), stride_lb, stride_lh, stride_ab, prob.nheads_k,
+                prob.group, sq, sk, *scalars,
+            ]  # fmt: skip
+            kwargs = {
+                "BLOCK_M": cfg.block_m1, "BLOCK_N": cfg.block_n1, "ATOMIC_DQ": atomic and do_dk,
+                "USE_TMA": use_tma1, "DO_DK": do_dk, "DO_DV": do_dv, "DQ_TMA": dq_tma, **flags,
+                "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            }  # fmt: skip
+            return args, kwargs
+
+        _DKDV_LAUNCHES.launch(
+            (*key, do_dk, do_dv), grid1, _DKDV_SLOTS,
+            (q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, cq, ck, desc_q, desc_do, desc_dq,
+             stride_lb, stride_lh, sq, sk, seed),
+            build_dkdv,
         )  # fmt: skip
     if atomic:
         if dq_acc is not dq:
             dq.copy_(dq_acc)
         return
 
-    grid2 = (triton.cdiv(prob.seqlen_q, cfg.block_m2), prob.batch * prob.nheads)
-    _bwd_dq_kernel[grid2](
-        q, k, v, dout, lse, delta, dq, alibi, cq, ck, desc_k, desc_v,
-        *bsh_strides(q, vl), *bsh_strides(k, vl), *bsh_strides(v, vl), *bsh_strides(dout, vl),
-        *bsh_strides(dq, vl), stride_lb, stride_lh, stride_ab,
-        prob.nheads, prob.group, prob.seqlen_q, prob.seqlen_k, *scalars,
-        BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2, USE_TMA=use_tma2,
-        REVERSE_M=prob.heavy_last, **flags,
-        num_warps=cfg.num_warps2, num_stages=cfg.num_stages2,
+    def build_dq() -> tuple[list[Any], dict[str, Any]]:
+        flags, scalars = common_args()
+        args = [
+            q, k, v, dout, lse, delta, dq, alibi, cq, ck, desc_k, desc_v, *strides(q, k, v, dout, dq),
+            stride_lb, stride_lh, stride_ab, prob.nheads, prob.group, sq, sk, *scalars,
+        ]  # fmt: skip
+        kwargs = {
+            "BLOCK_M": cfg.block_m2, "BLOCK_N": cfg.block_n2, "USE_TMA": use_tma2,
+            "REVERSE_M": prob.heavy_last, **flags, "num_warps": cfg.num_warps2, "num_stages": cfg.num_stages2,
+        }  # fmt: skip
+        return args, kwargs
+
+    _DQ_LAUNCHES.launch(
+        key, (triton.cdiv(sq, cfg.block_m2), prob.batch * prob.nheads), _DQ_SLOTS,
+        (q, k, v, dout, lse, delta, dq, alibi, cq, ck, desc_k, desc_v, stride_lb, stride_lh, sq, sk, seed),
+        build_dq,
     )  # fmt: skip
 
 

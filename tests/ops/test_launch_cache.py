@@ -1,0 +1,258 @@
+"""LaunchCache (flashpage.ops.launch_cache): replayed launches compute what ``kernel[grid]`` computes.
+
+Under the interpreter Triton has no compiled kernel, so the replay path is driven here through a
+stand-in: ``kernel[grid](...)`` runs the interpreted kernel and returns a fake compiled kernel
+whose ``[grid](*every_parameter)`` (the form the cache replays with) maps the flat parameter list
+back to the kernel's arguments and runs it again. On a GPU the same tests use the real compiled
+kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from flashpage.ops import flash_bwd as fb
+from flashpage.ops import flash_fwd as ff
+from flashpage.ops.flash_configs import BwdConfig
+from flashpage.ops.launch_cache import LaunchCache, aligned, int_spec
+from flashpage.ops.reference import attention_ref, varlen_attention_ref
+from tests.tolerance import assert_close_to_ref
+
+
+@pytest.fixture(autouse=True)
+def on_device(device: str) -> Iterator[None]:
+    with torch.device(device):
+        yield
+
+
+class _FakeCompiled:
+    packed_metadata = None
+
+    def __init__(self, owner: _FakeJit, n_args: int, options: dict[str, Any]) -> None:
+        self.owner, self.n_args, self.options = owner, n_args, options
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        assert len(grid) == 3, "CompiledKernel[grid] reads grid[0], grid[1] and grid[2]"
+
+        def runner(*params: Any) -> None:
+            self.owner.replays += 1
+            names = list(self.owner.names[self.n_args :])
+            kwargs = dict(zip(names, params[self.n_args :], strict=True))
+            self.owner.real[grid](*params[: self.n_args], **kwargs, **self.options)
+
+        return runner
+
+
+class _FakeJit:
+    """Wraps a jit kernel: launches normally and hands back a replayable stand-in."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.fn = real, real.fn
+        self.names = list(real.arg_names)
+        self.launches = self.replays = 0
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.launches += 1
+            self.real[grid](*args, **kwargs)
+            options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+            return _FakeCompiled(self, len(args), options)
+
+        return run
+
+
+@pytest.fixture
+def replay_cache(monkeypatch: pytest.MonkeyPatch, device: str) -> _FakeJit | None:
+    """The forward's LaunchCache, emptied; on CPU driven through the stand-in (returned)."""
+    if device == "cuda":
+        cache = LaunchCache(ff._attn_fwd_kernel)
+        monkeypatch.setattr(ff, "_FWD_LAUNCHES", cache)
+        return None
+    fake = _FakeJit(ff._attn_fwd_kernel)
+    monkeypatch.setattr(ff, "_FWD_LAUNCHES", LaunchCache(fake))
+    return fake
+
+
+def test_int_spec_classes() -> None:
+    assert int_spec(1) == 1
+    assert int_spec(0) == int_spec(16) == int_spec(-32) == int_spec(2**31 - 16) == 2
+    assert int_spec(17) == int_spec(-1) == 0
+    assert int_spec(2**31) == 6 and int_spec(2**31 + 1) == 4  # i64, multiple of 16 or not
+    assert int_spec(2**63 + 1) == 8  # u64
+    assert len({int_spec(x) for x in (1, 16, 17, 2**31, 2**31 + 1, 2**63 + 1)}) == 6
+
+
+def test_aligned_bits() -> None:
+    x = torch.empty(64)
+    assert aligned(x, x[4:], x[1:]) == 0b011
+
+
+def test_padded_calls_replay_and_match(replay_cache: _FakeJit | None) -> None:
+    """Same metadata, new tensors each call (and a new seed): replays, results as the reference."""
+    for i in range(3):
+        q, k, v = (torch.randn(2, 37, 4, 32) for _ in range(3))
+        out, lse = ff.flash_fwd(q, k, v, causal=True)
+        ref, ref_lse = attention_ref(q, k, v, causal=True)[:2]
+        assert_close_to_ref(out, ref, ref)
+        torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=0)
+        if replay_cache is not None:
+            assert replay_cache.launches == 1 and replay_cache.replays == i
+    assert len(ff._FWD_LAUNCHES) == 1
+
+
+def test_dropout_seed_replays_bit_identically(replay_cache: _FakeJit | None) -> None:
+    """The seed is a slot: a replay with seed s draws the mask a fresh launch with seed s draws."""
+    q, k, v = (torch.randn(1, 40, 2, 32) for _ in range(3))
+    first = ff.flash_fwd(q, k, v, dropout_p=0.3, seed=1234)[0]
+    other = ff.flash_fwd(q, k, v, dropout_p=0.3, seed=98)[0]  # replay (seed class unchanged)
+    again = ff.flash_fwd(q, k, v, dropout_p=0.3, seed=1234)[0]  # replay
+    assert not torch.equal(first, other)
+    assert torch.equal(first, again)
+    if replay_cache is not None:
+        assert replay_cache.replays == 2
+
+
+def test_varlen_replays_across_batches(replay_cache: _FakeJit | None) -> None:
+    """Packed batches of new lengths reuse the plan (max_seqlen, LSE strides and grid are per call)."""
+    for lens_q, lens_k in (([5, 17, 9], [5, 30, 9]), ([3, 21], [40, 21]), ([11, 2, 13, 6], [11, 2, 13, 6])):
+        cq = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+        ck = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+        q, k, v = (
+            torch.randn(int(cq[-1]), 4, 32),
+            torch.randn(int(ck[-1]), 2, 32),
+            torch.randn(int(ck[-1]), 2, 32),
+        )
+        kw: dict[str, Any] = {"causal": True, "window_size": (7, -1)}
+        out, lse = ff.flash_fwd(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cq,
+            cu_seqlens_k=ck,
+            max_seqlen_q=max(lens_q),
+            max_seqlen_k=max(lens_k),
+            **kw,
+        )
+        ref, ref_lse = varlen_attention_ref(q, k, v, cq, ck, **kw)
+        assert_close_to_ref(out, ref, ref)
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+        torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-5, rtol=0)
+    if replay_cache is not None:
+        assert replay_cache.replays >= 1
+
+
+def test_new_metadata_makes_a_new_plan(replay_cache: _FakeJit | None) -> None:
+    """Strides, masks, alibi and head counts are part of the key; a view with other strides is
+    launched (and computed) as itself, not as the cached plan's tensors."""
+    base = torch.randn(2, 30, 8, 32)
+    k, v = torch.randn(2, 30, 4, 32), torch.randn(2, 30, 4, 32)
+    ff.flash_fwd(base[:, :, :4], k, v)
+    q = base[:, :, 4:]  # same shape, other data (same strides)
+    out = ff.flash_fwd(q, k, v)[0]
+    ref = attention_ref(q, k, v)[0]
+    assert_close_to_ref(out, ref, ref)
+    slopes = torch.rand(4)
+    out = ff.flash_fwd(q, k, v, alibi_slopes=slopes, softcap=2.0)[0]
+    ref = attention_ref(q, k, v, alibi_slopes=slopes, softcap=2.0)[0]
+    assert_close_to_ref(out, ref, ref)
+    qc = q.contiguous()
+    out = ff.flash_fwd(qc, k, v, window_size=(3, 2))[0]
+    ref = attention_ref(qc, k, v, window_size=(3, 2))[0]
+    assert_close_to_ref(out, ref, ref)
+    assert len(ff._FWD_LAUNCHES) == 3
+    if replay_cache is not None:
+        assert replay_cache.launches == 3 and replay_cache.replays == 1
+
+
+_BWD_CACHES = {
+    "_PRE_LAUNCHES": fb._bwd_preprocess_kernel,
+    "_DKDV_LAUNCHES": fb._bwd_dkdv_kernel,
+    "_FUSED_LAUNCHES": fb._bwd_fused_kernel,
+    "_DQ_LAUNCHES": fb._bwd_dq_kernel,
+}
+
+
+def _fresh_bwd_caches(monkeypatch: pytest.MonkeyPatch, device: str) -> dict[str, _FakeJit]:
+    """Empty backward LaunchCaches (CPU: through the stand-in, returned by cache name)."""
+    fakes = {}
+    for name, kernel in _BWD_CACHES.items():
+        fn = kernel if device == "cuda" else _FakeJit(kernel)
+        if device != "cuda":
+            fakes[name] = fn
+        monkeypatch.setattr(fb, name, LaunchCache(fn))
+    return fakes
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, "separate"),
+        BwdConfig(16, 32, 16, 16, 4, 1, 4, 1, "fused", use_tma=True),
+        BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, "fused", split_dkdv=True),
+        BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, "atomic"),
+    ],
+    ids=["separate", "fused-tma", "fused-split", "atomic"],
+)
+def test_backward_replays_bit_identically(
+    monkeypatch: pytest.MonkeyPatch, device: str, cfg: BwdConfig
+) -> None:
+    """Each backward kernel's replay (new tensors, same metadata) gives the fresh launch's gradients;
+    a varlen batch of other lengths reuses the plans and still matches a fresh launch."""
+    kw: dict[str, Any] = {"causal": True, "config": cfg, "dropout_p": 0.1, "seed": 5}
+
+    def grads(q: Tensor, k: Tensor, v: Tensor, do: Tensor, **extra: Any) -> tuple[Tensor, ...]:
+        out, lse = ff.flash_fwd(q, k, v, causal=True, dropout_p=0.1, seed=5, **extra)
+        return fb.flash_bwd(do, q, k, v, out, lse, **kw, **extra)
+
+    q, k, v = torch.randn(2, 35, 4, 32), torch.randn(2, 35, 2, 32), torch.randn(2, 35, 2, 32)
+    do = torch.randn_like(q)
+    fakes = _fresh_bwd_caches(monkeypatch, device)
+    first = grads(q, k, v, do)
+    again = grads(*(t.clone() for t in (q, k, v, do)))
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)
+    for lens in ([5, 30], [17, 3, 9]):
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        n = int(cu[-1])
+        qv, kv, vv, dov = (
+            torch.randn(n, 4, 32),
+            torch.randn(n, 2, 32),
+            torch.randn(n, 2, 32),
+            torch.randn(n, 4, 32),
+        )
+        vk = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": max(lens), "max_seqlen_k": max(lens)}
+        replayed = grads(qv, kv, vv, dov, **vk)
+        saved = {name: getattr(fb, name) for name in _BWD_CACHES}
+        _fresh_bwd_caches(monkeypatch, device)
+        fresh = grads(qv, kv, vv, dov, **vk)
+        for name, cache in saved.items():
+            monkeypatch.setattr(fb, name, cache)
+        for a, b in zip(fresh, replayed, strict=True):
+            assert torch.equal(a, b)
+    if fakes:
+        used = [name for name, f in fakes.items() if f.launches]
+        assert all(fakes[name].replays >= 2 for name in used), {
+            n: (f.launches, f.replays) for n, f in fakes.items()
+        }
+        assert "_PRE_LAUNCHES" in used and ("_DQ_LAUNCHES" in used) == (cfg.dq_mode == "separate")
+
+
+def _vec_args(x: Tensor, y: Tensor) -> tuple[list[Any], dict[str, Any]]:
+    return [x, y, x.numel()], {"BLOCK": 16}
+
+
+def test_plan_rejects_a_tensor_outside_the_slots() -> None:
+    """A tensor baked into a plan would be reused by later calls: refused when the plan is made."""
+    fake = _FakeJit(ff._attn_fwd_kernel)
+    cache = LaunchCache(fake)
+    x, y = torch.zeros(16), torch.zeros(16)
+    with pytest.raises(AssertionError, match="argument 1 is a tensor"):
+        cache._template(*_vec_args(x, y), slots=(0,), values=(x,))
+    with pytest.raises(AssertionError, match="slot 1"):
+        cache._template(*_vec_args(x, y), slots=(0, 1), values=(x, x))
