@@ -18,8 +18,10 @@ from torch import Tensor
 
 from flashpage.ops import flash_bwd as fb
 from flashpage.ops import flash_fwd as ff
+from flashpage.ops import paged_decode as pd
 from flashpage.ops.flash_configs import BwdConfig
-from flashpage.ops.launch_cache import LaunchCache, aligned, int_spec
+from flashpage.ops.kvcache import flash_attn_with_kvcache
+from flashpage.ops.launch_cache import LaunchCache, aligned, cdiv, int_spec, next_pow2
 from flashpage.ops.reference import attention_ref, varlen_attention_ref
 from tests.tolerance import assert_close_to_ref
 
@@ -85,6 +87,16 @@ def test_int_spec_classes() -> None:
     assert int_spec(2**31) == 6 and int_spec(2**31 + 1) == 4  # i64, multiple of 16 or not
     assert int_spec(2**63 + 1) == 8  # u64
     assert len({int_spec(x) for x in (1, 16, 17, 2**31, 2**31 + 1, 2**63 + 1)}) == 6
+
+
+def test_host_int_helpers_match_triton() -> None:
+    import triton
+
+    for n in range(1, 300):
+        assert next_pow2(n) == triton.next_power_of_2(n)
+        for b in (1, 16, 64, 128):
+            assert cdiv(n, b) == triton.cdiv(n, b)
+    assert cdiv(0, 64) == 0
 
 
 def test_aligned_bits() -> None:
@@ -241,6 +253,59 @@ def test_backward_replays_bit_identically(
             n: (f.launches, f.replays) for n, f in fakes.items()
         }
         assert "_PRE_LAUNCHES" in used and ("_DQ_LAUNCHES" in used) == (cfg.dq_mode == "separate")
+
+
+def _fresh_paged_caches(monkeypatch: pytest.MonkeyPatch, device: str) -> list[_FakeJit]:
+    fakes = []
+    for name, kernel in (
+        ("_PAGED_LAUNCHES", pd._paged_attn_kernel),
+        ("_COMBINE_LAUNCHES", pd._combine_kernel),
+    ):
+        fn = kernel if device == "cuda" else _FakeJit(kernel)
+        if device != "cuda":
+            fakes.append(fn)
+        monkeypatch.setattr(pd, name, LaunchCache(fn))
+    return fakes
+
+
+@pytest.mark.parametrize(
+    "q_len,splits", [(1, 3), (1, 1), (5, 2)], ids=["decode-split", "decode", "prefill-split"]
+)
+def test_paged_attention_replays_bit_identically(
+    monkeypatch: pytest.MonkeyPatch, device: str, q_len: int, splits: int
+) -> None:
+    """Paged decode / chunked prefill (+ LSE, 2-D ALiBi with a non-contiguous batch stride): calls with
+    new tensors and new cache lengths replay the plans and equal fresh launches."""
+    b, h, hk, d, bs, nb = 3, 8, 2, 32, 16, 24
+    k_cache, v_cache = torch.randn(nb, bs, hk, d), torch.randn(nb, bs, hk, d)
+    table = torch.randperm(nb, dtype=torch.int32)[: b * 8].reshape(b, 8)
+    slopes = torch.rand(b, 2 * h)[:, :h]  # batch stride 2h
+
+    def run(q: Tensor, lens: list[int], alibi: Tensor | None) -> tuple[Tensor, Tensor]:
+        out = flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=torch.tensor(lens, dtype=torch.int32), block_table=table,
+            causal=True, num_splits=splits, return_softmax_lse=True, alibi_slopes=alibi,
+        )  # fmt: skip
+        return out  # type: ignore[return-value]
+
+    fakes = _fresh_paged_caches(monkeypatch, device)
+    calls = [([40, 77, 128], None), ([9, 100, 33], None), ([40, 77, 128], slopes), ([120, 5, 64], slopes)]
+    run(torch.randn(b, q_len, h, d), *calls[0])  # makes the plans the calls below replay
+    torch.manual_seed(1)
+    qs = [torch.randn(b, q_len, h, d) for _ in calls]
+    replayed = [run(q, lens, a) for q, (lens, a) in zip(qs, calls, strict=True)]
+    for q, (lens, a), got in zip(qs, calls, replayed, strict=True):
+        _fresh_paged_caches(monkeypatch, device)
+        want = run(q, lens, a)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), lens
+    if fakes:
+        assert fakes[0].replays >= 3
+        assert (fakes[1].replays >= 3) == (splits > 1)
+    other = slopes.contiguous()  # same values, batch stride h: must not replay the strided plan
+    fakes = _fresh_paged_caches(monkeypatch, device)
+    run(qs[2], calls[2][0], slopes)
+    torch.testing.assert_close(run(qs[2], calls[2][0], other)[0], replayed[2][0], rtol=0, atol=0)
+    assert len(pd._PAGED_LAUNCHES) == 2
 
 
 def _vec_args(x: Tensor, y: Tensor) -> tuple[list[Any], dict[str, Any]]:

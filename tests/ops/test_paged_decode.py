@@ -293,6 +293,8 @@ def test_plan_run_matches_and_never_syncs(monkeypatch: pytest.MonkeyPatch, devic
         assert_close_to_ref(out, ref[:, 0], same[:, 0])
     with pytest.raises(ValueError, match="plan"):
         run_decode(plan, torch.randn(4, nheads, d), kc, vc, bt, sl)
+    with pytest.raises(ValueError, match="lse must be"):  # (nheads, batch) instead of (batch, nheads)
+        run_decode(plan, q, kc, vc, bt, sl, lse=torch.empty(nheads, q.shape[0]))
 
 
 def test_num_splits_planner_rule() -> None:

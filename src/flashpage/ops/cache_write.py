@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from flashpage.ops.launch_cache import next_pow2
+
 __all__ = ["FP8_E4M3_MAX", "fp8_kv_scales", "is_fp8_dtype", "reshape_and_cache", "validate_scale"]
 
 FP8_E4M3_MAX = 448.0
@@ -194,8 +196,8 @@ def reshape_and_cache(
         key_cache.shape[1],
         HK=hk,
         D=d,
-        BLOCK_H=triton.next_power_of_2(hk),
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_H=next_pow2(hk),
+        BLOCK_D=next_pow2(d),
         FP8=fp8,
         num_warps=4,
     )

@@ -66,7 +66,7 @@ from flashpage.ops.flash_fwd import (
     problem_key,
     tma_row_view_ok,
 )
-from flashpage.ops.launch_cache import LaunchCache, aligned, int_spec
+from flashpage.ops.launch_cache import LaunchCache, aligned, cdiv, int_spec
 
 __all__ = ["flash_bwd"]
 
@@ -556,7 +556,7 @@ def _launch_bwd(
         return args, {"HEAD_DIM": d, "BLOCK_D": prob.block_d, "BLOCK_M": pre_bm, "VARLEN": vl, "num_warps": 4}
 
     _PRE_LAUNCHES.launch(
-        pre_key, (triton.cdiv(sq, pre_bm), prob.batch * prob.nheads), _PRE_SLOTS,
+        pre_key, (cdiv(sq, pre_bm), prob.batch * prob.nheads), _PRE_SLOTS,
         (out, dout, delta, cq, stride_lb, stride_lh, sq), build_pre,
     )  # fmt: skip
 
@@ -586,8 +586,8 @@ def _launch_bwd(
         and tma_row_view_ok(dq_acc, vl, d)
     )
     desc_dq = make_row_descriptor(dq_acc, vl, cfg.block_m1, d, checked=True) if dq_tma else dq_acc
-    n_kv_tiles = triton.cdiv(sk, cfg.block_n1)
-    n_q_tiles = triton.cdiv(sq, cfg.block_m2)
+    n_kv_tiles = cdiv(sk, cfg.block_n1)
+    n_q_tiles = cdiv(sq, cfg.block_m2)
     grid1 = (n_kv_tiles, prob.batch * prob.nheads_k)
     # split_dkdv: one launch for dV, one for dK (+ atomic or fused dQ): one accumulator per program.
     passes = ((False, True), (True, False)) if cfg.split_dkdv else ((True, True),)
@@ -686,7 +686,7 @@ def _launch_bwd(
         return args, kwargs
 
     _DQ_LAUNCHES.launch(
-        key, (triton.cdiv(sq, cfg.block_m2), prob.batch * prob.nheads), _DQ_SLOTS,
+        key, (cdiv(sq, cfg.block_m2), prob.batch * prob.nheads), _DQ_SLOTS,
         (q, k, v, dout, lse, delta, dq, alibi, cq, ck, desc_k, desc_v, stride_lb, stride_lh, sq, sk, seed),
         build_dq,
     )  # fmt: skip

@@ -54,7 +54,7 @@ from flashpage.ops.flash_configs import (
     padded_head_dim,
     tma_supported,
 )
-from flashpage.ops.launch_cache import LaunchCache, aligned, int_spec
+from flashpage.ops.launch_cache import LaunchCache, aligned, cdiv, int_spec
 
 __all__ = [
     "AttnProblem",
@@ -719,7 +719,7 @@ def _launch_fwd(
     ck = cu_k if cu_k is not None else q
     stride_lb, stride_lh = lse_strides(prob, lse)
     sq, sk = prob.seqlen_q, prob.seqlen_k
-    grid = (triton.cdiv(sq, cfg.block_m), prob.batch * prob.nheads)
+    grid = (cdiv(sq, cfg.block_m), prob.batch * prob.nheads)
     values = (q, k, v, out, lse, alibi, cq, ck, desc_q, desc_k, desc_v, stride_lb, stride_lh, sq, sk, seed)
     key = (
         prob.nheads, prob.nheads_k, d, prob.varlen, prob.softmax_scale, prob.window_left,
@@ -877,7 +877,7 @@ def attention_probs(
     alibi, stride_ab = alibi_args(alibi_slopes, q)
     stride_lb, stride_lh = lse_strides(prob, lse)
     c = launch_common(prob, alibi_slopes)
-    grid = (triton.cdiv(prob.seqlen_q, bm), triton.cdiv(prob.seqlen_k, bn), prob.batch * prob.nheads)
+    grid = (cdiv(prob.seqlen_q, bm), cdiv(prob.seqlen_k, bn), prob.batch * prob.nheads)
     qs, ks = bsh_strides(q, prob.varlen), bsh_strides(k, prob.varlen)
     _attn_probs_kernel[grid](
         q, k, lse, p_out, alibi, cu_seqlens_q if cu_seqlens_q is not None else q,

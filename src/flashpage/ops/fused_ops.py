@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from flashpage.ops.backend import interpreter_enabled
+from flashpage.ops.launch_cache import cdiv, next_pow2
 
 __all__ = ["rms_norm", "rope_qk", "silu_and_mul"]
 
@@ -94,7 +95,7 @@ def rms_norm(
     rout = torch.empty_like(out) if residual is not None else out
     if t == 0:
         return (out, rout) if residual is not None else out
-    block = triton.next_power_of_2(n)
+    block = next_pow2(n)
     res = residual if residual is not None else x
     _rms_norm_kernel[(t,)](
         x, res, weight, out, rout, x.stride(0), res.stride(0), out.stride(0), rout.stride(0), n, float(eps),
@@ -176,7 +177,7 @@ def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Ten
         return qo, ko
     _rope_kernel[(t,)](
         q, k, cos, sin, qo, ko, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        h, hk, d // 2, BLOCK_H=triton.next_power_of_2(max(h, hk)), BLOCK_D=triton.next_power_of_2(d // 2),
+        h, hk, d // 2, BLOCK_H=next_pow2(max(h, hk)), BLOCK_D=next_pow2(d // 2),
         num_warps=4,
     )  # fmt: skip
     return qo, ko
@@ -212,8 +213,8 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     out = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
     if t == 0:
         return out
-    block = min(2048, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(t, triton.cdiv(inter, block))](
+    block = min(2048, next_pow2(inter))
+    _silu_mul_kernel[(t, cdiv(inter, block))](
         gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
     )
     return out

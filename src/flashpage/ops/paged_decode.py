@@ -26,6 +26,7 @@ Sequence ``b``'s queries are the last ``q_len`` positions of its ``seqlens_k[b]`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -36,6 +37,7 @@ from flashpage.ops.backend import interpreter_enabled
 from flashpage.ops.cache_write import is_fp8_dtype, validate_scale
 from flashpage.ops.flash_configs import tma_supported
 from flashpage.ops.flash_fwd import make_row_descriptor, tma_row_view_ok
+from flashpage.ops.launch_cache import LaunchCache, aligned, cdiv, int_spec, next_pow2
 from flashpage.roofline.planner import choose_num_splits  # the roofline planner's split-KV rule
 
 __all__ = [
@@ -565,6 +567,16 @@ def _combine_kernel(
         tl.store(Lse + h * stride_lh + tok * stride_lt, lse_out)
 
 
+# Compiled launches by launch key (flashpage.ops.launch_cache) and the positions of the per-call
+# arguments: the paged kernel's 17 tensor / descriptor arguments, its two float scalars, the window
+# bounds, split count, query length, LSE / block-table / workspace strides; the combine's four tensors,
+# split count, workspace and LSE strides.
+_PAGED_LAUNCHES = LaunchCache(_paged_attn_kernel)
+_COMBINE_LAUNCHES = LaunchCache(_combine_kernel)
+_PAGED_SLOTS = (*range(23), 33, 34, 35, 37, 38, 39, 40, 41)
+_COMBINE_SLOTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13)
+
+
 def tile_shape(config: PagedAttnConfig, max_seqlen_q: int, group: int) -> tuple[int, int]:
     """``(block_m, q_tiles)``: rows per program and query tiles per sequence.
 
@@ -573,11 +585,11 @@ def tile_shape(config: PagedAttnConfig, max_seqlen_q: int, group: int) -> tuple[
     ``block_m // group`` query tokens.
     """
     if config.block_m:
-        block_m = max(config.block_m, triton.next_power_of_2(group))
+        block_m = max(config.block_m, next_pow2(group))
     else:
         rows = max(1, max_seqlen_q) * group
-        block_m = max(16, min(triton.next_power_of_2(rows), 128), triton.next_power_of_2(group))
-    return block_m, triton.cdiv(max(max_seqlen_q, 1), block_m // group)
+        block_m = max(16, min(next_pow2(rows), 128), next_pow2(group))
+    return block_m, cdiv(max(max_seqlen_q, 1), block_m // group)
 
 
 def allocate_workspace(
@@ -683,95 +695,76 @@ def launch_paged_attention(
         and all(tma_row_view_ok(c, False, head_dim) for c in (k_cache, v_cache))
     )
     if use_tma:
-        desc_k, desc_v = (make_row_descriptor(c, False, config.block_n, head_dim) for c in (k_cache, v_cache))
+        desc_k, desc_v = (
+            make_row_descriptor(c, False, config.block_n, head_dim, checked=True) for c in (k_cache, v_cache)
+        )
     else:
         desc_k, desc_v = k_cache, v_cache
     grid = (q_tiles * num_splits, nheads_k, batch)
-    _paged_attn_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        desc_k,
-        desc_v,
-        out,
-        lse_arg,
-        mid_o,
-        mid_lse,
-        arrivals,
-        block_table if paged else dummy,
-        seqlens_k,
-        cu_seqlens_q if cu_seqlens_q is not None else dummy,
+    tensors = (
+        q, k_cache, v_cache, desc_k, desc_v, out, lse_arg, mid_o, mid_lse, arrivals,
+        block_table if paged else dummy, seqlens_k, cu_seqlens_q if cu_seqlens_q is not None else dummy,
         cache_batch_idx if cache_batch_idx is not None else dummy,
-        alibi_slopes if alibi_slopes is not None else q,
-        k_scale if k_scale is not None else q,
+        alibi_slopes if alibi_slopes is not None else q, k_scale if k_scale is not None else q,
         v_scale if v_scale is not None else q,
-        float(softmax_scale),
-        float(softcap) if softcap > 0 else 1.0,
-        left,
-        right,
-        num_splits,
-        max_seqlen_q,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
-        *lse_strides,
-        block_table.stride(0) if paged else 0,
-        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
-        mid_o.stride(0) if split else 0,
-        mid_o.stride(1) if split else 0,
-        mid_o.stride(2) if split else 0,
-        mid_lse.stride(0) if split else 0,
-        mid_lse.stride(1) if split else 0,
-        G=group,
-        HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=block_m,
-        BLOCK_N=config.block_n,
-        PAGE_SIZE=k_cache.shape[1] if paged else 0,
-        VARLEN_Q=cu_seqlens_q is not None,
-        HAS_BATCH_IDX=cache_batch_idx is not None,
-        SOFTCAP=softcap > 0,
-        HAS_ALIBI=alibi_slopes is not None,
-        KV_FP8=fp8,
-        SPLIT=split,
-        WRITE_LSE=write_lse,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
-        UPCAST=upcast,
-        EARLY_V=config.early_v,
-        FUSED_COMBINE=fused,
-        USE_TMA=use_tma,
-        PREFETCH_TABLE=config.prefetch_table,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **({"maxnreg": config.maxnreg} if config.maxnreg and q.device.type == "cuda" else {}),
+    )  # fmt: skip
+    mid_strides = (
+        (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
+        if split
+        else (0, 0, 0, 0, 0)
     )
+    bt_stride = block_table.stride(0) if paged else 0
+    ints = (left, right, num_splits, max_seqlen_q, *lse_strides, bt_stride, *mid_strides)
+    values = (*tensors, float(softmax_scale), float(softcap) if softcap > 0 else 1.0, *ints)
+    page_size = k_cache.shape[1] if paged else 0
+    key = (
+        config, block_m, q.dtype, k_cache.dtype, out.dtype, q.device.index, head_dim, nheads, nheads_k,
+        page_size, cu_seqlens_q is not None, cache_batch_idx is not None, softcap > 0,
+        None if alibi_slopes is None else (alibi_slopes.dim(), alibi_slopes.stride(0)), split, write_lse, upcast, fused, use_tma,
+        q.stride(), k_cache.stride(), v_cache.stride(), out.stride(), aligned(*tensors),
+        tuple(int_spec(x) for x in ints),
+    )  # fmt: skip
+
+    def build() -> tuple[list[Any], dict[str, Any]]:
+        args = [
+            *tensors, values[17], values[18], left, right, num_splits, max_seqlen_q,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+            *lse_strides, bt_stride,
+            alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+            *mid_strides,
+        ]  # fmt: skip
+        kwargs = {
+            "G": group, "HEAD_DIM": head_dim, "BLOCK_D": max(16, next_pow2(head_dim)), "BLOCK_M": block_m,
+            "BLOCK_N": config.block_n, "PAGE_SIZE": page_size, "VARLEN_Q": cu_seqlens_q is not None,
+            "HAS_BATCH_IDX": cache_batch_idx is not None, "SOFTCAP": softcap > 0,
+            "HAS_ALIBI": alibi_slopes is not None, "KV_FP8": fp8, "SPLIT": split, "WRITE_LSE": write_lse,
+            "DOT_PRECISION": "ieee" if q.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast,
+            "EARLY_V": config.early_v, "FUSED_COMBINE": fused, "USE_TMA": use_tma,
+            "PREFETCH_TABLE": config.prefetch_table, "num_warps": config.num_warps,
+            "num_stages": config.num_stages,
+            **({"maxnreg": config.maxnreg} if config.maxnreg and q.device.type == "cuda" else {}),
+        }  # fmt: skip
+        return args, kwargs
+
+    _PAGED_LAUNCHES.launch(key, grid, _PAGED_SLOTS, values, build)
     if split and not fused:
-        _combine_kernel[(total_q, nheads)](
-            mid_o,
-            mid_lse,
-            out,
-            lse_arg,
-            num_splits,
-            mid_o.stride(0),
-            mid_o.stride(1),
-            mid_o.stride(2),
-            mid_lse.stride(0),
-            mid_lse.stride(1),
-            out.stride(0),
-            out.stride(1),
-            *lse_strides,
-            HEAD_DIM=head_dim,
-            BLOCK_D=triton.next_power_of_2(head_dim),
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            WRITE_LSE=write_lse,
-            num_warps=4,
+        c_tensors = (mid_o, mid_lse, out, lse_arg)
+        c_ints = (num_splits, *mid_strides, *lse_strides)
+        block_s = max(2, next_pow2(num_splits))
+        c_key = (
+            head_dim, block_s, write_lse, out.dtype, q.device.index, out.stride(), aligned(*c_tensors),
+            tuple(int_spec(x) for x in c_ints),
+        )  # fmt: skip
+
+        def build_combine() -> tuple[list[Any], dict[str, Any]]:
+            args = [*c_tensors, num_splits, *mid_strides, out.stride(0), out.stride(1), *lse_strides]
+            kwargs = {"HEAD_DIM": head_dim, "BLOCK_D": next_pow2(head_dim), "BLOCK_S": block_s,
+                      "WRITE_LSE": write_lse, "num_warps": 4}  # fmt: skip
+            return args, kwargs
+
+        _COMBINE_LAUNCHES.launch(
+            c_key, (total_q, nheads), _COMBINE_SLOTS, (*c_tensors, *c_ints), build_combine
         )
 
 
@@ -862,7 +855,8 @@ def check_paged_cache(
             raise TypeError("alibi_slopes must be a float32 tensor")
         if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)) or alibi_slopes.stride(-1) != 1:
             raise ValueError(
-                f"alibi_slopes must be ({nheads},) or ({batch}, {nheads}), got {tuple(alibi_slopes.shape)}"
+                f"alibi_slopes must be ({nheads},) or ({batch}, {nheads}) with a contiguous last dim, "
+                f"got {tuple(alibi_slopes.shape)} with strides {alibi_slopes.stride()}"
             )
         if alibi_slopes.device != q.device:
             raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, expected {q.device}")
@@ -932,7 +926,7 @@ def resolve_num_splits(
         num_splits = choose_num_splits(
             max(work_items, 1), nheads_k, max(seqlen_k, 1), default_num_sms(device)
         )
-    return max(1, min(num_splits, triton.cdiv(max(seqlen_k, 1), block_n)))
+    return max(1, min(num_splits, cdiv(max(seqlen_k, 1), block_n)))
 
 
 def paged_decode(

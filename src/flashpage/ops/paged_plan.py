@@ -191,6 +191,12 @@ def run_decode(
         out = q.new_empty(q.shape)  # contiguous whatever q's strides (q may be a slice of a qkv tensor)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
+    if lse is not None and (tuple(lse.shape) != (rows, plan.nheads) or lse.dtype != torch.float32):
+        # A wrong shape would be written through its strides as if it were (rows, nheads).
+        raise ValueError(
+            f"lse must be a float32 ({rows}, {plan.nheads}) tensor (batch * seqlen_q, nheads), "
+            f"got {tuple(lse.shape)} {lse.dtype}"
+        )
     launch_paged_attention(
         qp, k_cache, v_cache, out.view(rows, plan.nheads, plan.head_dim), cache_seqlens,
         max_seqlen_q=plan.seqlen_q, block_table=block_table, lse=lse.t() if lse is not None else None,
