@@ -68,16 +68,24 @@ class _FakeJit:
         return run
 
 
+def _fresh_caches(
+    monkeypatch: pytest.MonkeyPatch, device: str, module: Any, kernels: dict[str, Any]
+) -> dict[str, _FakeJit]:
+    """Replace ``module``'s LaunchCaches (attribute name -> kernel) with empty ones; on CPU they
+    launch through the stand-in, returned by attribute name (on CUDA: the real kernels, ``{}``)."""
+    fakes = {}
+    for name, kernel in kernels.items():
+        fn = kernel if device == "cuda" else _FakeJit(kernel)
+        if device != "cuda":
+            fakes[name] = fn
+        monkeypatch.setattr(module, name, LaunchCache(fn))
+    return fakes
+
+
 @pytest.fixture
 def replay_cache(monkeypatch: pytest.MonkeyPatch, device: str) -> _FakeJit | None:
     """The forward's LaunchCache, emptied; on CPU driven through the stand-in (returned)."""
-    if device == "cuda":
-        cache = LaunchCache(ff._attn_fwd_kernel)
-        monkeypatch.setattr(ff, "_FWD_LAUNCHES", cache)
-        return None
-    fake = _FakeJit(ff._attn_fwd_kernel)
-    monkeypatch.setattr(ff, "_FWD_LAUNCHES", LaunchCache(fake))
-    return fake
+    return _fresh_caches(monkeypatch, device, ff, {"_FWD_LAUNCHES": ff._attn_fwd_kernel}).get("_FWD_LAUNCHES")
 
 
 def test_int_spec_classes() -> None:
@@ -190,17 +198,6 @@ _BWD_CACHES = {
 }
 
 
-def _fresh_bwd_caches(monkeypatch: pytest.MonkeyPatch, device: str) -> dict[str, _FakeJit]:
-    """Empty backward LaunchCaches (CPU: through the stand-in, returned by cache name)."""
-    fakes = {}
-    for name, kernel in _BWD_CACHES.items():
-        fn = kernel if device == "cuda" else _FakeJit(kernel)
-        if device != "cuda":
-            fakes[name] = fn
-        monkeypatch.setattr(fb, name, LaunchCache(fn))
-    return fakes
-
-
 @pytest.mark.parametrize(
     "cfg",
     [
@@ -224,7 +221,7 @@ def test_backward_replays_bit_identically(
 
     q, k, v = torch.randn(2, 35, 4, 32), torch.randn(2, 35, 2, 32), torch.randn(2, 35, 2, 32)
     do = torch.randn_like(q)
-    fakes = _fresh_bwd_caches(monkeypatch, device)
+    fakes = _fresh_caches(monkeypatch, device, fb, _BWD_CACHES)
     first = grads(q, k, v, do)
     again = grads(*(t.clone() for t in (q, k, v, do)))
     for a, b in zip(first, again, strict=True):
@@ -241,7 +238,7 @@ def test_backward_replays_bit_identically(
         vk = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": max(lens), "max_seqlen_k": max(lens)}
         replayed = grads(qv, kv, vv, dov, **vk)
         saved = {name: getattr(fb, name) for name in _BWD_CACHES}
-        _fresh_bwd_caches(monkeypatch, device)
+        _fresh_caches(monkeypatch, device, fb, _BWD_CACHES)
         fresh = grads(qv, kv, vv, dov, **vk)
         for name, cache in saved.items():
             monkeypatch.setattr(fb, name, cache)
@@ -255,17 +252,7 @@ def test_backward_replays_bit_identically(
         assert "_PRE_LAUNCHES" in used and ("_DQ_LAUNCHES" in used) == (cfg.dq_mode == "separate")
 
 
-def _fresh_paged_caches(monkeypatch: pytest.MonkeyPatch, device: str) -> list[_FakeJit]:
-    fakes = []
-    for name, kernel in (
-        ("_PAGED_LAUNCHES", pd._paged_attn_kernel),
-        ("_COMBINE_LAUNCHES", pd._combine_kernel),
-    ):
-        fn = kernel if device == "cuda" else _FakeJit(kernel)
-        if device != "cuda":
-            fakes.append(fn)
-        monkeypatch.setattr(pd, name, LaunchCache(fn))
-    return fakes
+_PAGED_CACHES = {"_PAGED_LAUNCHES": pd._paged_attn_kernel, "_COMBINE_LAUNCHES": pd._combine_kernel}
 
 
 @pytest.mark.parametrize(
@@ -288,21 +275,21 @@ def test_paged_attention_replays_bit_identically(
         )  # fmt: skip
         return out  # type: ignore[return-value]
 
-    fakes = _fresh_paged_caches(monkeypatch, device)
+    fakes = _fresh_caches(monkeypatch, device, pd, _PAGED_CACHES)
     calls = [([40, 77, 128], None), ([9, 100, 33], None), ([40, 77, 128], slopes), ([120, 5, 64], slopes)]
     run(torch.randn(b, q_len, h, d), *calls[0])  # makes the plans the calls below replay
     torch.manual_seed(1)
     qs = [torch.randn(b, q_len, h, d) for _ in calls]
     replayed = [run(q, lens, a) for q, (lens, a) in zip(qs, calls, strict=True)]
     for q, (lens, a), got in zip(qs, calls, replayed, strict=True):
-        _fresh_paged_caches(monkeypatch, device)
+        _fresh_caches(monkeypatch, device, pd, _PAGED_CACHES)
         want = run(q, lens, a)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), lens
     if fakes:
-        assert fakes[0].replays >= 3
-        assert (fakes[1].replays >= 3) == (splits > 1)
+        assert fakes["_PAGED_LAUNCHES"].replays >= 3
+        assert (fakes["_COMBINE_LAUNCHES"].replays >= 3) == (splits > 1)
     other = slopes.contiguous()  # same values, batch stride h: must not replay the strided plan
-    fakes = _fresh_paged_caches(monkeypatch, device)
+    fakes = _fresh_caches(monkeypatch, device, pd, _PAGED_CACHES)
     run(qs[2], calls[2][0], slopes)
     torch.testing.assert_close(run(qs[2], calls[2][0], other)[0], replayed[2][0], rtol=0, atol=0)
     assert len(pd._PAGED_LAUNCHES) == 2
