@@ -211,12 +211,13 @@ def _variant_configs(fp8: bool) -> list[Any]:
     from flashpage.ops.paged_decode import PagedAttnConfig
 
     if fp8:
-        # (64, 8): 112 registers, two programs per SM without spills (sm_90, triton 3.6), where the
-        # default 128 x 8 gets 128 registers and spills 28 bytes.
-        combos = [(64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2), (256, 8, 2)]
+        # The default first (128 x 4: 210 registers, no spill on sm_90 with triton 3.6); 128 x 8 gets
+        # 128 registers and spills 28 bytes, 64 x 8 112 registers without spills.
+        combos = [(128, 4, 2), (64, 4, 2), (64, 8, 2), (128, 8, 2), (256, 8, 2), (64, 4, 5)]
     else:
-        # Without prefetch_table, Triton pipelines the gathered K/V tiles of 16-token pages with one
-        # buffer whatever num_stages says; with it, num_stages - 1 buffers (sm_90 TTGIR): probes.
+        # The block-table load in front of the gathered K/V tiles of 16-token pages halves the latency
+        # Triton's pipeliner gives them: (num_stages - 1) // 2 buffers (one below 5 stages); with
+        # prefetch_table, num_stages - 1 (sm_90 TTGIR / SASS probes).
         combos = [(bn, w, 2) for bn in (32, 64, 128) for w in (4, 8)] + [(64, 4, 3), (128, 8, 3)]
     cfgs = [PagedAttnConfig(block_n=bn, num_warps=w, num_stages=s) for bn, w, s in combos]
     if not fp8:
@@ -226,7 +227,6 @@ def _variant_configs(fp8: bool) -> list[Any]:
     d0 = cfgs[0] if fp8 else PagedAttnConfig()
     knobs = [{"fused_combine": True}, {"early_v": True}, {"maxnreg": 128}]
     if fp8:
-        d0 = PagedAttnConfig(block_n=128, num_warps=8, num_stages=2)
         knobs = knobs[:2]
     return cfgs + [replace(d0, **kw) for kw in knobs]
 
@@ -421,67 +421,49 @@ def bench_decode_shape(
         ref8 = _first_sdpa(q4, kd, vd, scale, gqa)[:, :, 0]
         del kd, vd
         fp8_bytes = 2 * b * ctx * hk * d  # one byte per element
+
+        def plan8(cfg: Any, num_splits: int = 0) -> Any:
+            return plan_decode(
+                b, h, hk, d, block_size=bs, max_seqlen_k=ctx, q_dtype=dt, kv_dtype=f8, device=device,
+                num_splits=num_splits, config=cfg,
+            )  # fmt: skip
+
+        def run8(p: Any) -> Tensor:
+            return run_decode(p, q, kc8, vc8, block_table, seqlens, k_scale=ks, v_scale=vs)
+
+        def checked8(p: Any) -> float | None:
+            """``p``'s max error against SDPA on the dequantised cache, or None (noted) when too large."""
+            e = _max_err(run8(p), ref8)
+            if e > _TOL:
+                notes.append(
+                    f"flashpage fp8 {_cfg_name(p.config)} ns={p.num_splits} b={b} ctx={ctx}: max err {e:.3g}"
+                )
+                return None
+            return e
+
+        def row8(variant: str, t: float, p: Any, e: float) -> None:
+            row(
+                "flashpage", t, fp8_bytes, "fp8_e4m3", variant=variant, num_splits=p.num_splits,
+                config=_cfg_name(p.config), max_err=e, block_size=bs, ratio_vs_bf16=bf16_ms / t,
+            )  # fmt: skip
+
+        p0 = plan8(None)  # the planner's default plan, as the engine runs it
+        e0 = checked8(p0)
+        if e0 is not None:
+            row8("planner", time_ms(lambda: run8(p0)), p0, e0)
         best8 = None
-        for cfg in _variant_configs(True) if st.variants else [None]:
-            p0 = plan_decode(
-                b,
-                h,
-                hk,
-                d,
-                block_size=bs,
-                max_seqlen_k=ctx,
-                q_dtype=dt,
-                kv_dtype=f8,
-                device=device,
-                config=cfg,
-            )
-            plans = [p0]
-            if cfg is not None:  # the sweep also tries twice the planner's splits
-                plans.append(
-                    plan_decode(
-                        b,
-                        h,
-                        hk,
-                        d,
-                        block_size=bs,
-                        max_seqlen_k=ctx,
-                        q_dtype=dt,
-                        kv_dtype=f8,
-                        device=device,
-                        num_splits=min(128, 2 * p0.num_splits),
-                        config=cfg,
-                    )
-                )
-            for p in plans:
-                o = run_decode(p, q, kc8, vc8, block_table, seqlens, k_scale=ks, v_scale=vs)
-                e = _max_err(o, ref8)
-                if e > _TOL:
-                    notes.append(
-                        f"flashpage fp8 {_cfg_name(p.config)} ns={p.num_splits} b={b} ctx={ctx}: max err {e:.3g}"
-                    )
+        for cfg in _variant_configs(True) if st.variants else []:
+            first = plan8(cfg)  # the sweep also tries twice the planner's splits
+            for p in (first, plan8(cfg, min(128, 2 * first.num_splits))):
+                e = checked8(p)
+                if e is None:
                     continue
-                timer = time_ms if cfg is None else sweep_ms
-                t = timer(
-                    lambda p=p: run_decode(p, q, kc8, vc8, block_table, seqlens, k_scale=ks, v_scale=vs)
-                )
+                t = sweep_ms(lambda p=p: run8(p))
                 if best8 is None or t < best8[0]:
                     best8 = (t, p, e)
         if best8 is not None:
             _, p, e = best8
-            t = time_ms(lambda p=p: run_decode(p, q, kc8, vc8, block_table, seqlens, k_scale=ks, v_scale=vs))
-            variant = "best" if st.variants else "planner"
-            row(
-                "flashpage",
-                t,
-                fp8_bytes,
-                "fp8_e4m3",
-                variant=variant,
-                num_splits=p.num_splits,
-                config=_cfg_name(p.config),
-                max_err=e,
-                block_size=bs,
-                ratio_vs_bf16=bf16_ms / t,
-            )
+            row8("best", time_ms(lambda p=p: run8(p)), p, e)
     return rows, notes
 
 
@@ -648,7 +630,8 @@ def bench_prefill_shape(
                       (64, 128, 4, 3, True))  # fmt: skip
         else:
             combos = ((64, 64, 8, 2, False), (128, 32, 8, 2, False), (64, 32, 4, 2, False),
-                      (128, 32, 8, 3, True), (64, 32, 4, 3, True), (128, 64, 8, 2, False))  # fmt: skip
+                      (128, 32, 8, 3, True), (64, 32, 4, 3, True), (128, 64, 8, 2, False),
+                      (128, 64, 8, 4, False), (128, 32, 8, 7, False))  # fmt: skip
         for bm, bn, w, s, pt in combos:
             cfg = PagedAttnConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, prefetch_table=pt)
             try:
