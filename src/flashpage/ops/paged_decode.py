@@ -120,17 +120,19 @@ class PagedAttnConfig:
 def default_decode_config(kv_dtype: torch.dtype, head_dim: int) -> PagedAttnConfig:
     """Decode defaults: 64-token tiles, 4 warps (fp8 KV: 128-token tiles, 4 warps, early V load).
 
-    On sm_90 (d=128) bf16 compiles without spills (triton 3.9: 149 registers, 3.6: 120). fp8, H200
-    with triton 3.6, GQA 32/8 and MHA, block size 16 (``flashpage bench decode --variants`` at b81af5d,
+    On sm_90 (d=128) bf16 compiles without spills (triton 3.9: 149 registers, 3.6: 120). fp8 (H200,
+    triton 3.6, GQA 32/8 and MHA, block size 16; ``flashpage bench decode --variants`` at b81af5d,
     benchmarks/results/decode-h200.json): 128 x 4 warps with the V load issued beside the K load was
-    the fastest fp8 configuration on every shape, 1.21-1.32x the bf16 kernel's sequences x tokens/s
-    (243-255 registers, two programs per SM, at most 16 bytes spilled; 1.17-1.32x with the planner's
-    split counts, which at 4k contexts give one split where two were 3-4% faster); without the early
-    V load 1.11-1.25x; the previous 128 x 8 warps (128 registers, 28 bytes spilled) 0.97-1.05x in a probe of
-    the same day. The block-table indirection halves the load latency Triton's pipeliner assigns
-    (``(num_stages - 1) // 2`` stages ahead), so 2 stages issue a tile's loads one iteration ahead
-    into one buffer; 5 or 7 stages give two or three buffers but were slower for bf16 in that probe
-    (the default: 95-98% of cuDNN, 5 stages 86-96%).
+    the fastest fp8 configuration on every shape, 1.21-1.32x the bf16 kernel's sequences x tokens/s;
+    1.17-1.32x at the planner's split counts (at 4k contexts it picks one split where two were 3-4%
+    faster). 255 registers (two programs per SM; no spill with triton 3.9, 16 bytes under 3.6's
+    ptxas). Without the early V load 1.11-1.25x; the previous 128 x 8 warps (128 registers, 28 bytes
+    spilled under 3.6) 0.97-1.05x in a probe of the same day.
+
+    The block-table indirection halves the load latency Triton's pipeliner assigns (``(num_stages -
+    1) // 2`` stages ahead), so 2 stages issue a tile's loads one iteration ahead into one buffer; 5
+    or 7 stages give two or three buffers but were slower for bf16 in that probe (the default 95-98%
+    of cuDNN, 5 stages 86-96%).
     """
     if is_fp8_dtype(kv_dtype) and head_dim <= 128:
         return PagedAttnConfig(block_n=128, num_warps=4, num_stages=2, early_v=True)

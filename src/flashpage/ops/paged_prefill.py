@@ -45,11 +45,11 @@ def default_prefill_config(
     size 16, bf16, 2026-12-03; benchmarks/results/decode-h200.json): d <= 128, GQA 32/8: 128 x 128 tiles,
     3 stages, ``prefetch_table`` (374 TFLOP/s = 0.92x the flash kernel on contiguous KV; 339 without
     the prefetch, whose gathered tiles get one buffer); pages of >= 128 tokens hold whole tiles, which
-    TMA descriptors load (387, 2 stages). d=256, GQA 16/4: 128 x 64 tiles, 3 stages (396 vs 386 with 2
-    stages in a probe of 2026-12-03; the 64 x 64 8-warp tiles used before: 215; 4 stages 395, the
-    table prefetch at 3 stages does not fit in shared memory); TMA with 3 stages for pages >= 64
-    tokens (392 at 128). Elsewhere
-    (Ampere: less shared memory; not measured here): 128 x 64, 8 warps; 64 x 64 above d=128.
+    TMA descriptors load (387, 2 stages). d=256, GQA 16/4: 128 x 64 tiles, 3 stages (396 = 0.97x at
+    b81af5d, 386 with 2 stages; 4 stages 395; the 64 x 64 8-warp tiles used before: 215; the table
+    prefetch at 3 stages does not fit in shared memory); TMA with 3 stages for pages >= 64 tokens
+    (394 at 128). Elsewhere (Ampere: less shared memory; not measured here): 128 x 64, 8 warps;
+    64 x 64 above d=128.
     """
     hopper = device is not None and gpu_family(device) == "hopper"
     page = block_size or 0
