@@ -1,0 +1,45 @@
+"""``flashpage bench decode --smoke``: the whole script on tiny shapes (CPU: the Triton interpreter).
+
+Checks what the committed H200 results rely on: every decode shape gets a ``planner`` row for the
+compute dtype and for fp8 KV, timed with the configuration the engine would run (the defaults), every
+row matched SDPA, and the prefill rows carry their ratio to the flash kernel.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from flashpage.bench.decode import main
+from flashpage.ops.paged_decode import default_decode_config
+from flashpage.ops.paged_prefill import default_prefill_config
+
+
+def test_smoke_run_writes_default_config_rows(tmp_path: Path) -> None:
+    assert main(["--smoke", "--out", str(tmp_path)]) == 0  # 0: every implementation matched SDPA
+    (path,) = tmp_path.glob("decode-*.json")
+    data = json.loads(path.read_text())
+    env, rows = data["env"], data["rows"]
+    for key in ("gpu", "torch", "triton", "date", "git_commit", "copy_tbps"):
+        assert key in env, key
+    decode = [r for r in rows if r["bench"] == "decode" and r["impl"] == "flashpage"]
+    shapes = {(r["batch"], r["ctx"], r["nheads"], r["nheads_k"], r["d"]) for r in decode}
+    assert len(shapes) == 2
+    for shape in shapes:
+        mine = [r for r in decode if (r["batch"], r["ctx"], r["nheads"], r["nheads_k"], r["d"]) == shape]
+        planner = {r["dtype"]: r for r in mine if r["variant"] == "planner"}
+        assert set(planner) == {"bfloat16" if torch.cuda.is_available() else "float32", "fp8_e4m3"}
+        d = shape[-1]
+        fp8 = planner["fp8_e4m3"]
+        assert fp8["config"] == default_decode_config(torch.float8_e4m3fn, d).short()
+        assert fp8["ratio_vs_bf16"] > 0 and fp8["tbps"] > 0
+        for r in mine:
+            assert r["max_err"] < 1e-2, r
+    prefill = {r["variant"]: r for r in rows if r["bench"] == "prefill" and r["impl"] == "flashpage"}
+    paged = prefill["paged-prefill"]
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    assert paged["config"] == default_prefill_config(paged["d"], dev, dtype, paged["block_size"]).short()
+    assert paged["ratio_vs_flash"] > 0 and "flash-varlen" in prefill
