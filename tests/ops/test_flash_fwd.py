@@ -18,6 +18,8 @@ from flashpage.ops.flash_fwd import (
     check_attention_inputs,
     flash_fwd,
     fwd_uses_tma,
+    plan_tail_split,
+    tail_split_applies,
     tma_row_view_ok,
 )
 from flashpage.ops.reference import attention_ref, varlen_attention_ref
@@ -204,6 +206,92 @@ def test_dropout_same_seed_same_mask_other_seed_differs() -> None:
     c = flash_fwd(q, k, v, dropout_p=0.5, seed=8)[0]
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tail split (stream-K over the last partial wave of row tiles)
+# ------------------------------------------------------------------------------------------------
+def test_plan_tail_split_deals_the_tail_once() -> None:
+    """Every (tail tile, key tile) step lies in exactly one piece; pieces stay within the slots a
+    tile has; the split exists exactly when the last wave is partial and pieces are short enough."""
+    for n_tiles in range(1, 41):
+        for kv in (1, 2, 3, 5, 8, 16, 33):
+            for resident in (1, 2, 3, 5, 7, 12, 13, 64):
+                split = plan_tail_split(n_tiles, kv, resident)
+                if n_tiles % resident == 0:
+                    assert split is None
+                if split is None:
+                    continue
+                assert split.n_main % resident == 0 and split.n_main + split.tail_tiles == n_tiles
+                assert 0 < split.tail_tiles < resident and split.n_tail <= resident
+                assert 4 * split.piece_len <= 3 * kv and split.piece_len >= min(2, kv)
+                covered = []
+                for j in range(split.n_tail):
+                    lo, hi = j * split.piece_len, min((j + 1) * split.piece_len, split.tail_work)
+                    assert lo < hi  # no empty piece
+                    covered.extend(range(lo, hi))
+                    for t in range(lo // kv, (hi - 1) // kv + 1):
+                        assert 0 <= j - (t * kv) // split.piece_len < split.max_pieces
+                assert covered == list(range(split.tail_work))
+    assert plan_tail_split(2048, 128, 132) is not None and plan_tail_split(1980, 128, 132) is None
+    # d=256 at 16k: 1024 tiles, the last wave 76% full, pieces would be as long: no split
+    assert plan_tail_split(1024, 256, 132) is None
+
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, d, options, resident): partial tiles both ways, GQA,
+# padded head dim, softcap, ALiBi; resident programs chosen so the tail is split.
+TAIL_CASES = [
+    (2, 40, 70, 3, 1, 32, {}, 5),
+    (1, 33, 100, 4, 2, 96, {"softcap": 3.0}, 7),
+    (2, 17, 64, 2, 2, 64, {"alibi": "batch", "softmax_scale": 0.2}, 3),
+    (1, 48, 200, 2, 1, 32, {}, 64),  # fewer tiles than resident programs: every tile split
+]
+
+
+@pytest.mark.parametrize(("b", "sq", "sk", "h", "hk", "d", "opts", "resident"), TAIL_CASES)
+def test_tail_split_matches_reference(
+    b: int, sq: int, sk: int, h: int, hk: int, d: int, opts: dict, resident: int
+) -> None:
+    cfg = FwdConfig(16, 16, 4, 1)
+    assert plan_tail_split(-(-sq // 16) * b * h, -(-sk // 16), resident) is not None  # the split runs
+    opts = dict(opts)
+    alibi = _alibi(opts.pop("alibi", None), b, h)
+    q, k, v = make_qkv(b, sq, sk, h, hk, d)
+    out, lse = flash_fwd(q, k, v, alibi_slopes=alibi, config=cfg, resident_programs=resident, **opts)
+    ref, ref_lse = attention_ref(q, k, v, alibi_slopes=alibi, **opts)[:2]
+    same = attention_ref(q, k, v, alibi_slopes=alibi, upcast=False, **opts)[0]
+    assert_close_to_ref(out, ref, same)
+    assert_lse_close(lse, ref_lse)
+    again = flash_fwd(q, k, v, alibi_slopes=alibi, config=cfg, resident_programs=resident, **opts)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)  # fixed merge order
+
+
+def test_tail_split_dropout_matches_whole_tiles() -> None:
+    """The dropout mask is a function of the element: split and whole-tile runs keep the same ones."""
+    q, k, v = make_qkv(1, 40, 50, 3, 3, 32)
+    cfg = FwdConfig(16, 16, 4, 1)
+    split = flash_fwd(q, k, v, dropout_p=0.3, seed=11, config=cfg, resident_programs=4)
+    whole = flash_fwd(q, k, v, dropout_p=0.3, seed=11, config=cfg)
+    torch.testing.assert_close(split[0], whole[0], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(split[1], whole[1], atol=2e-6, rtol=1e-6)
+
+
+def test_tail_split_only_for_uniform_row_tiles() -> None:
+    q, k, v = make_qkv(1, 8, 8, 2, 2, 32)
+    cfg = FwdConfig(16, 16, 4, 1)
+    assert tail_split_applies(cfg, check_attention_inputs(q, k, v, softcap=1.0))
+    assert not tail_split_applies(FwdConfig(16, 16, 4, 1, split_tail=False), check_attention_inputs(q, k, v))
+    for opts in ({"causal": True}, {"window_size": (3, -1)}, {"window_size": (-1, 2)}):
+        assert not tail_split_applies(cfg, check_attention_inputs(q, k, v, **opts))
+    qv, kv, vv, cq, ck = make_varlen([3, 5], [4, 4], 2, 1, 32)
+    prob = check_attention_inputs(
+        qv, kv, vv, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=5, max_seqlen_k=4
+    )
+    assert not tail_split_applies(cfg, prob)
+    # causal with resident programs given: whole tiles, still exact
+    q, k, v = make_qkv(1, 40, 40, 2, 1, 32)
+    out = flash_fwd(q, k, v, causal=True, config=cfg, resident_programs=5)[0]
+    assert_close_to_ref(out, attention_ref(q, k, v, causal=True)[0], attention_ref(q, k, v, causal=True)[0])
 
 
 # ------------------------------------------------------------------------------------------------

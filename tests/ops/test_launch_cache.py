@@ -10,10 +10,13 @@ kernels.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from flashpage.ops import flash_bwd as fb
@@ -21,7 +24,7 @@ from flashpage.ops import flash_fwd as ff
 from flashpage.ops import paged_decode as pd
 from flashpage.ops.flash_configs import BwdConfig
 from flashpage.ops.kvcache import flash_attn_with_kvcache
-from flashpage.ops.launch_cache import LaunchCache, aligned, cdiv, int_spec, next_pow2
+from flashpage.ops.launch_cache import LaunchCache, aligned, cdiv, int_spec, next_pow2, programs_per_sm
 from flashpage.ops.reference import attention_ref, varlen_attention_ref
 from tests.tolerance import assert_close_to_ref
 
@@ -57,10 +60,12 @@ class _FakeJit:
         self.real, self.fn = real, real.fn
         self.names = list(real.arg_names)
         self.launches = self.replays = 0
+        self.grids: list[tuple[int, ...]] = []
 
     def __getitem__(self, grid: tuple[int, ...]) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
             self.launches += 1
+            self.grids.append(tuple(grid))
             self.real[grid](*args, **kwargs)
             options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
             return _FakeCompiled(self, len(args), options)
@@ -308,3 +313,96 @@ def test_plan_rejects_a_tensor_outside_the_slots() -> None:
         cache._template(*_vec_args(x, y), slots=(0,), values=(x,))
     with pytest.raises(AssertionError, match="slot 1"):
         cache._template(*_vec_args(x, y), slots=(0, 1), values=(x, x))
+
+
+def test_tail_split_launches_replay(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    """The split forward (1-D grid) and its combine launch replay with new tensors each call."""
+    fakes = _fresh_caches(
+        monkeypatch,
+        device,
+        ff,
+        {"_FWD_LAUNCHES": ff._attn_fwd_kernel, "_COMBINE_LAUNCHES": ff._fwd_tail_combine_kernel},
+    )
+    for i in range(3):
+        q, k, v = torch.randn(2, 37, 3, 32), torch.randn(2, 100, 3, 32), torch.randn(2, 100, 3, 32)
+        assert ff.plan_tail_split(3 * 2 * 3, 7, 5) is not None  # 16 x 16 tiles: the split runs
+        out, lse = ff.flash_fwd(q, k, v, softcap=2.0, resident_programs=5)
+        ref, ref_lse = attention_ref(q, k, v, softcap=2.0)[:2]
+        assert_close_to_ref(out, ref, ref)
+        torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=0)
+        for name in ("_FWD_LAUNCHES", "_COMBINE_LAUNCHES") if fakes else ():
+            assert fakes[name].launches == 1 and fakes[name].replays == i
+    if fakes:
+        assert len(fakes["_FWD_LAUNCHES"].grids[0]) == 1  # the split's 1-D grid
+        assert fakes["_COMBINE_LAUNCHES"].grids[0][1] == 32 // 32  # one 32-column slice of d = 32
+
+
+def test_causal_grid_starts_every_head(replay_cache: _FakeJit | None) -> None:
+    """Causal launches put (batch, head) on the grid's first axis: the heaviest row tile of every head
+    starts before any head's lighter ones (the 2-D grid starts along its first axis)."""
+    q, k, v = (torch.randn(2, 40, 3, 32) for _ in range(3))
+    out = ff.flash_fwd(q, k, v, causal=True)[0]
+    assert_close_to_ref(out, attention_ref(q, k, v, causal=True)[0], attention_ref(q, k, v, causal=True)[0])
+    ff.flash_fwd(q, k, v)
+    if replay_cache is not None:
+        assert replay_cache.grids == [(2 * 3, 3), (3, 2 * 3)]  # 16-row tiles under the interpreter
+
+
+@triton.jit
+def _add_one_kernel(X, Y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + offs, tl.load(X + offs, mask=offs < n) + 1.0, mask=offs < n)
+
+
+class _WarmJit(_FakeJit):
+    """A stand-in that can also compile without launching (``JITFunction.warmup``)."""
+
+    def __init__(self, real: Any) -> None:
+        super().__init__(real)
+        self.warmups = 0
+
+    def warmup(self, *args: Any, grid: tuple[int, ...], **kwargs: Any) -> Any:
+        self.warmups += 1
+        options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+        return _FakeCompiled(self, len(args), options)
+
+
+def test_compiled_makes_the_plan_launch_replays() -> None:
+    x, y = torch.arange(20.0), torch.zeros(20)
+
+    def build() -> tuple[list[Any], dict[str, Any]]:
+        return [x, y, 20], {"BLOCK": 16}
+
+    warm = _WarmJit(_add_one_kernel)
+    cache = LaunchCache(warm)
+    kernel = cache.compiled("k", (0, 1), (x, y), build)
+    assert isinstance(kernel, _FakeCompiled) and warm.warmups == 1 and warm.launches == 0
+    assert cache.compiled("k", (0, 1), (x, y), build) is kernel and warm.warmups == 1  # memo
+    cache.launch("k", (2,), (0, 1), (x, y), build)
+    assert warm.launches == 0 and warm.replays == 1
+    torch.testing.assert_close(y, x + 1)
+    # nothing to compile without warmup (the interpreter's kernels): None, no plan
+    plain = LaunchCache(_FakeJit(_add_one_kernel))
+    assert plain.compiled("k", (0, 1), (x, y), build) is None and len(plain) == 0
+
+
+def test_programs_per_sm_occupancy_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    props = SimpleNamespace(
+        max_threads_per_multi_processor=2048,
+        shared_memory_per_multiprocessor=233472,
+        regs_per_multiprocessor=65536,
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+
+    def kernel(warps: int, smem: int, regs: int | None) -> Any:
+        k = SimpleNamespace(metadata=SimpleNamespace(num_warps=warps, shared=smem))
+        if regs is not None:
+            k.n_regs = regs
+        return k
+
+    dev = torch.device("cuda", 0)
+    assert programs_per_sm(kernel(8, 230400, 188), dev) == 1  # d=128 forward on the H200: shared memory
+    assert programs_per_sm(kernel(4, 66560, 188), dev) == 2  # 192 x 32 registers per warp: 10 warps
+    assert programs_per_sm(kernel(4, 0, 64), dev) == 8  # registers: 32 warps
+    assert programs_per_sm(kernel(4, 0, None), dev) == 16  # threads only
+    assert programs_per_sm(kernel(16, 200000, 255), dev) == 1  # never below one

@@ -291,9 +291,18 @@ def _bwd_dkdv_kernel(
     VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PREC: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr, DQ_TMA: tl.constexpr,
+    HEADS_INNER: tl.constexpr,
 ):  # fmt: skip
+    """Grid ``(KV tiles, batch * nheads_k)``, or with ``HEADS_INNER`` (causal: the first KV tiles are
+    the heaviest) ``(batch * nheads_k, KV tiles)``: every head's heaviest tiles start first."""
+    if HEADS_INNER:
+        pid_n = tl.program_id(1)
+        pid_bh = tl.program_id(0)
+    else:
+        pid_n = tl.program_id(0)
+        pid_bh = tl.program_id(1)
     _dkdv_program(
-        tl.program_id(0), tl.program_id(1),
+        pid_n, pid_bh,
         Q, K, V, DO, LSE, DELTA, DK, DV, DQ, ALIBI, CU_Q, CU_K, desc_q, desc_do, desc_dq,
         stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
@@ -436,11 +445,14 @@ def _bwd_dq_kernel(
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, REVERSE_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    if REVERSE_M:  # causal: heaviest query tiles first
-        pid_m = tl.num_programs(0) - 1 - pid_m
+    if REVERSE_M:  # causal: grid (batch * nheads, query tiles), every head's heaviest tiles first
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+        pid_bh = tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
     _dq_program(
-        pid_m, tl.program_id(1),
+        pid_m, pid_bh,
         Q, K, V, DO, LSE, DELTA, DQ, ALIBI, CU_Q, CU_K, desc_k, desc_v,
         stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
@@ -466,6 +478,7 @@ def _bwd_fused_kernel(
     VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA1: tl.constexpr, USE_TMA2: tl.constexpr,
     REVERSE_M: tl.constexpr, DOT_PREC: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
+    HEADS_INNER: tl.constexpr,
 ):  # fmt: skip
     """dK/dV and dQ in one launch (``dq_mode="fused"``, the layout of FlexAttention's backward).
 
@@ -473,9 +486,14 @@ def _bwd_fused_kernel(
     ``[0, n_kv_tiles)`` are its dK/dV tiles, the rest the dQ tiles of its ``group`` query heads
     (heaviest first when causal). Both kinds then share the GPU's waves: the shorter dQ programs fill
     the last wave of dK/dV work instead of each kernel ending on its own partly idle wave, and the
-    dQ programs of a head run while its K/V are still in L2."""
-    pid = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    dQ programs of a head run while its K/V are still in L2. ``HEADS_INNER`` (causal) swaps the grid's
+    axes: the tiles of one index start together for all heads, heaviest first, lightest last."""
+    if HEADS_INNER:
+        pid = tl.program_id(1)
+        pid_bh = tl.program_id(0)
+    else:
+        pid = tl.program_id(0)
+        pid_bh = tl.program_id(1)
     if pid < n_kv_tiles:
         _dkdv_program(
             pid, pid_bh,
@@ -588,7 +606,12 @@ def _launch_bwd(
     desc_dq = make_row_descriptor(dq_acc, vl, cfg.block_m1, d, checked=True) if dq_tma else dq_acc
     n_kv_tiles = cdiv(sk, cfg.block_n1)
     n_q_tiles = cdiv(sq, cfg.block_m2)
-    grid1 = (n_kv_tiles, prob.batch * prob.nheads_k)
+
+    def heads_inner(grid: tuple[int, int]) -> tuple[int, int]:
+        """Causal launches put the heads on the grid's first (fastest-starting) axis."""
+        return (grid[1], grid[0]) if prob.heavy_last else grid
+
+    grid1 = heads_inner((n_kv_tiles, prob.batch * prob.nheads_k))
     # split_dkdv: one launch for dV, one for dK (+ atomic or fused dQ): one accumulator per program.
     passes = ((False, True), (True, False)) if cfg.split_dkdv else ((True, True),)
     fused = cfg.dq_mode == "fused"
@@ -634,14 +657,15 @@ def _launch_bwd(
                 kwargs = {
                     "BLOCK_M1": cfg.block_m1, "BLOCK_N1": cfg.block_n1, "BLOCK_M2": cfg.block_m2,
                     "BLOCK_N2": cfg.block_n2, "USE_TMA1": use_tma1, "USE_TMA2": use_tma2,
-                    "REVERSE_M": prob.heavy_last, "DO_DK": True, "DO_DV": do_dv, **flags,
+                    "REVERSE_M": prob.heavy_last, "DO_DK": True, "DO_DV": do_dv, "HEADS_INNER": prob.heavy_last,
+                    **flags,
                     "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                 }  # fmt: skip
                 return args, kwargs
 
             _FUSED_LAUNCHES.launch(
                 (*key, do_dv, int_spec(n_kv_tiles), int_spec(n_q_tiles)),
-                (n_kv_tiles + prob.group * n_q_tiles, prob.batch * prob.nheads_k), _FUSED_SLOTS,
+                heads_inner((n_kv_tiles + prob.group * n_q_tiles, prob.batch * prob.nheads_k)), _FUSED_SLOTS,
                 (q, k, v, dout, lse, delta, dk, dv, dq, alibi, cq, ck, desc_q, desc_do, desc_k, desc_v,
                  stride_lb, stride_lh, sq, sk, n_kv_tiles, n_q_tiles, seed),
                 build_fused,
@@ -657,7 +681,8 @@ def _launch_bwd(
             ]  # fmt: skip
             kwargs = {
                 "BLOCK_M": cfg.block_m1, "BLOCK_N": cfg.block_n1, "ATOMIC_DQ": atomic and do_dk,
-                "USE_TMA": use_tma1, "DO_DK": do_dk, "DO_DV": do_dv, "DQ_TMA": dq_tma, **flags,
+                "USE_TMA": use_tma1, "DO_DK": do_dk, "DO_DV": do_dv, "DQ_TMA": dq_tma,
+                "HEADS_INNER": prob.heavy_last, **flags,
                 "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
             }  # fmt: skip
             return args, kwargs
@@ -686,7 +711,7 @@ def _launch_bwd(
         return args, kwargs
 
     _DQ_LAUNCHES.launch(
-        key, (cdiv(sq, cfg.block_m2), prob.batch * prob.nheads), _DQ_SLOTS,
+        key, heads_inner((cdiv(sq, cfg.block_m2), prob.batch * prob.nheads)), _DQ_SLOTS,
         (q, k, v, dout, lse, delta, dq, alibi, cq, ck, desc_k, desc_v, stride_lb, stride_lh, sq, sk, seed),
         build_dq,
     )  # fmt: skip

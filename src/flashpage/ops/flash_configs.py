@@ -59,6 +59,9 @@ class FwdConfig:
         num_warps, num_stages: Triton launch parameters.
         use_tma: load Q/K/V tiles through TMA tensor descriptors (Hopper+, power-of-two head dim,
             16-byte aligned strides); silently falls back to pointer loads when not possible.
+        split_tail: when the row tiles of a padded, unmasked (non-causal, no window) forward end in
+            a partial wave of programs, share that wave's key ranges among all resident programs
+            (stream-K, ``flash_fwd.TailSplit``) instead of running it at partial occupancy.
     """
 
     block_m: int = 128
@@ -66,6 +69,7 @@ class FwdConfig:
     num_warps: int = 4
     num_stages: int = 2
     use_tma: bool = False
+    split_tail: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -79,7 +83,8 @@ class FwdConfig:
 
     def short(self) -> str:
         """Compact label used by the benchmark's variant table."""
-        return f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}{'tma' if self.use_tma else 'ptr'}"
+        tail = "" if self.split_tail else "-whole"
+        return f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}{'tma' if self.use_tma else 'ptr'}{tail}"
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,16 @@ nheads_k, d)`` with ``lse (batch, nheads, seqlen_q)``; or packed varlen ``q (tot
 total_q)``. Query head ``h`` reads KV head ``h // (nheads // nheads_k)``. Only the last dim must be
 contiguous; all other strides are passed to the kernel.
 
-Kernel structure (grid ``(cdiv(max_seqlen_q, BLOCK_M), batch * nheads)``): a program owns ``BLOCK_M``
-query rows of one (sequence, head). Scores are computed in base 2: ``log2(e) * softmax_scale`` is
+Kernel structure (grid ``(cdiv(max_seqlen_q, BLOCK_M), batch * nheads)``, causal ``(batch * nheads,
+cdiv(max_seqlen_q, BLOCK_M))``): a program owns ``BLOCK_M`` query rows of one (sequence, head). Scores are computed in base 2: ``log2(e) * softmax_scale`` is
 folded into one multiply (or into the softcap's output scale), so the online softmax uses ``exp2``.
 The visible key range of the tile (bottom-right aligned causal / sliding window) is split on the host
 side of the loop into three parts: ``[lo, fs)`` tiles crossing the window's left edge (masked),
 ``[fs, fe)`` tiles every row sees entirely (the hot loop: no mask arithmetic, no bounds checks) and
 ``[fe, hi)`` the diagonal / right-window / sequence-end tiles (masked). Tiles wholly outside the
-window are never visited. With causal masking the programs start with the heaviest (last) row tiles.
+window are never visited. With causal masking the programs start with the heaviest (last) row tiles
+of all heads and end with the lightest, so no long row tile starts late. Padded unmasked problems
+whose row tiles end in a partial wave split that wave's key ranges over all SMs (:class:`TailSplit`).
 
 Masked rows: a query row with no visible key keeps ``m = -inf`` and ``l = 0``; it outputs zeros and
 ``lse = -inf`` (the reference's definition).
@@ -36,6 +38,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,15 +57,17 @@ from flashpage.ops.flash_configs import (
     padded_head_dim,
     tma_supported,
 )
-from flashpage.ops.launch_cache import LaunchCache, aligned, cdiv, int_spec
+from flashpage.ops.launch_cache import LaunchCache, aligned, cdiv, int_spec, programs_per_sm
 
 __all__ = [
     "AttnProblem",
+    "TailSplit",
     "attention_probs",
     "check_attention_inputs",
     "flash_fwd",
     "fwd_uses_tma",
     "make_row_descriptor",
+    "plan_tail_split",
     "tma_row_view_ok",
 ]
 
@@ -246,40 +251,27 @@ def _fwd_tiles(
     return acc, l_i, m_i
 
 
-# Per-step lengths are not specialised on (divisibility by 16, == 1): varying max_seqlen values in
-# the engine would otherwise compile a new variant of this large kernel mid-run.
-@triton.jit(do_not_specialize=["seed", "seqlen_q", "seqlen_k"])
-def _attn_fwd_kernel(
-    Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, desc_q, desc_k, desc_v,
-    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
-    stride_lb, stride_lh, stride_ab,
-    nheads, group, seqlen_q, seqlen_k,
-    qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+@triton.jit
+def _fwd_rows(
+    Q, K, V, ALIBI, desc_q, desc_k, desc_v,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_ab, nheads, group, seqlen_q, seqlen_k,
+    qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, seed,
+    b, h, q_start, sq, k_start, sk, m0, n_lo, n_hi,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, REVERSE_M: tl.constexpr,
-    PLAIN_SCORES: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, PLAIN_SCORES: tl.constexpr,
+    DOT_PREC: tl.constexpr, KEY_SLICE: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    if REVERSE_M:  # causal: heaviest row tiles first
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    b = pid_bh // nheads
-    h = pid_bh % nheads
+    """Unnormalised online-softmax state ``(acc (BLOCK_M, BLOCK_D), l (BLOCK_M,), m (BLOCK_M,))`` of
+    query rows ``[m0, m0 + BLOCK_M)`` of sequence ``b``, head ``h`` over its visible keys inside
+    ``[n_lo, n_hi)`` (multiples of ``BLOCK_N``; ``[0, sk)`` for a whole row tile). ``m`` is the base-2
+    row max (``-inf`` for rows that saw no key), ``l`` the row sum of ``exp2(s - m)``.
+    ``KEY_SLICE=False``: the whole visible range (``n_lo`` / ``n_hi`` unused)."""
     hk = h // group
-    q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
-    m0 = pid_m * BLOCK_M
-    if m0 >= sq:
-        return
-    q_off = _row_off(q_start, b, stride_qm, stride_qb, VARLEN)
-    k_off = _row_off(k_start, b, stride_kn, stride_kb, VARLEN)
-    v_off = _row_off(k_start, b, stride_vn, stride_vb, VARLEN)
-    o_off = _row_off(q_start, b, stride_om, stride_ob, VARLEN)
-    lse_off = _row_off(q_start, b, 1, stride_lb, VARLEN)
-    q_ptr = Q + q_off + h * stride_qh
-    k_ptr = K + k_off + hk * stride_kh
-    v_ptr = V + v_off + hk * stride_vh
+    q_ptr = Q + _row_off(q_start, b, stride_qm, stride_qb, VARLEN) + h * stride_qh
+    k_ptr = K + _row_off(k_start, b, stride_kn, stride_kb, VARLEN) + hk * stride_kh
+    v_ptr = V + _row_off(k_start, b, stride_vn, stride_vb, VARLEN) + hk * stride_vh
     off = sk - sq  # query i sits at key position i + off (bottom-right alignment)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -292,8 +284,13 @@ def _attn_fwd_kernel(
         slope2 = tl.load(ALIBI + b * stride_ab + h).to(tl.float32) * LOG2E
     rng_base = (b * nheads + h).to(tl.int64) * seqlen_q
 
-    # Visible key range [lo, hi) of this row tile and its mask-free middle [fs, fe).
+    # Visible key range [lo, hi) of this row tile and its mask-free middle [fs, fe), cut to [n_lo, n_hi).
     lo, fs, fe, hi = _key_range(m0, sk, off, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if KEY_SLICE:  # a constexpr: the clamps cost the whole-tile loops ~30 registers (sm_90, triton 3.6)
+        lo = tl.maximum(lo, n_lo)
+        fs = tl.maximum(fs, n_lo)
+        fe = tl.minimum(fe, n_hi)
+        hi = tl.minimum(hi, n_hi)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -320,18 +317,157 @@ def _attn_fwd_kernel(
         True, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT, USE_TMA,
         PLAIN_SCORES, DOT_PREC,
     )  # fmt: skip
+    return acc, l_i, m_i
 
-    # Epilogue: rows with no visible key (l = 0) output 0 and lse = -inf.
+
+@triton.jit
+def _store_rows(o_base, lse_base, acc, l_i, m_i, offs_m, sq, stride_om, drop_scale, col0,
+                HEAD_DIM: tl.constexpr, COLS: tl.constexpr, DROPOUT: tl.constexpr):  # fmt: skip
+    """Epilogue of a row tile: ``out = acc / l`` (``acc``: columns ``[col0, col0 + COLS)``) into
+    ``o_base + row * stride_om`` and, from the program holding column 0, the natural-log LSE into
+    ``lse_base + row``, for rows ``< sq``; rows with no visible key (l = 0) get 0 and -inf."""
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     if DROPOUT:
         acc = acc * drop_scale
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    offs_d = col0 + tl.arange(0, COLS)
     row_ok = offs_m < sq
-    o_ptrs = O + o_off + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    tl.store(LSE + lse_off + h * stride_lh + offs_m, lse, mask=row_ok)
+    o_ptrs = o_base + offs_m[:, None] * stride_om + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o_base.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    if col0 == 0:
+        tl.store(lse_base + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _tile_coords(tile, n_m, nheads):
+    """``(pid_m, b, h)`` of row tile ``tile`` of a 1-D grid (row tiles fastest, as the 2-D grid)."""
+    pid_bh = tile // n_m
+    return tile - pid_bh * n_m, pid_bh // nheads, pid_bh % nheads
+
+
+@triton.jit
+def _ws_offsets(slot, col0, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, COLS: tl.constexpr):
+    """Element offsets of a tail workspace slot: ``acc (BLOCK_M, BLOCK_D)`` (its columns ``[col0,
+    col0 + COLS)``) and ``m``, ``l`` (``(2, BLOCK_M)``: row max, then row sum)."""
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = col0 + tl.arange(0, COLS)
+    acc_offs = slot.to(tl.int64) * (BLOCK_M * BLOCK_D) + offs_r[:, None] * BLOCK_D + offs_d[None, :]
+    m_offs = slot.to(tl.int64) * (2 * BLOCK_M) + offs_r
+    return acc_offs, m_offs, m_offs + BLOCK_M
+
+
+# Per-step lengths are not specialised on (divisibility by 16, == 1): varying max_seqlen values in
+# the engine would otherwise compile a new variant of this large kernel mid-run; nor are the tail
+# split's numbers, so the kernel compiled to learn its occupancy is the one every split runs.
+@triton.jit(
+    do_not_specialize=["seed", "seqlen_q", "seqlen_k", "n_main", "tail_work", "piece_len", "max_pieces"]
+)
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, desc_q, desc_k, desc_v, ACC_WS, ML_WS,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh, stride_ab,
+    nheads, group, seqlen_q, seqlen_k,
+    qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+    n_main, tail_work, piece_len, max_pieces,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, REVERSE_M: tl.constexpr,
+    PLAIN_SCORES: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr,
+):  # fmt: skip
+    if TAIL:
+        # 1-D grid: programs [0, n_main) own one whole row tile each; the others share the key
+        # ranges of the remaining row tiles (see TailSplit) and leave partial states in ACC_WS / ML_WS.
+        pid = tl.program_id(0)
+        n_m = tl.cdiv(seqlen_q, BLOCK_M)
+        if pid >= n_main:
+            j = pid - n_main
+            kv_tiles = tl.cdiv(seqlen_k, BLOCK_N)
+            it0 = j * piece_len
+            it1 = tl.minimum(it0 + piece_len, tail_work)
+            for t in range(it0 // kv_tiles, (it1 - 1) // kv_tiles + 1):
+                pm, bt, ht = _tile_coords(n_main + t, n_m, nheads)
+                t0 = t * kv_tiles
+                acc, l_i, m_i = _fwd_rows(
+                    Q, K, V, ALIBI, desc_q, desc_k, desc_v,
+                    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+                    stride_vh, stride_ab, nheads, group, seqlen_q, seqlen_k,
+                    qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, seed,
+                    bt, ht, bt * seqlen_q, seqlen_q, bt * seqlen_k, seqlen_k, pm * BLOCK_M,
+                    (tl.maximum(it0, t0) - t0) * BLOCK_N, (tl.minimum(it1, t0 + kv_tiles) - t0) * BLOCK_N,
+                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+                    DROPOUT, USE_TMA, PLAIN_SCORES, DOT_PREC, True,
+                )  # fmt: skip
+                slot = t * max_pieces + j - t0 // piece_len
+                acc_offs, m_offs, l_offs = _ws_offsets(slot, 0, BLOCK_M, BLOCK_D, BLOCK_D)
+                tl.store(ACC_WS + acc_offs, acc)
+                tl.store(ML_WS + m_offs, m_i)
+                tl.store(ML_WS + l_offs, l_i)
+            return
+        pid_m, b, h = _tile_coords(pid, n_m, nheads)
+    elif REVERSE_M:
+        # Causal: grid (batch * nheads, row tiles), the heaviest row tiles of every head first, so the
+        # last programs to start are the lightest ones of all (longest-first over the whole grid).
+        pid_bh = tl.program_id(0)
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+        b = pid_bh // nheads
+        h = pid_bh % nheads
+    else:
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // nheads
+        h = pid_bh % nheads
+    q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
+    acc, l_i, m_i = _fwd_rows(
+        Q, K, V, ALIBI, desc_q, desc_k, desc_v,
+        stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_ab, nheads, group, seqlen_q, seqlen_k,
+        qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, seed,
+        b, h, q_start, sq, k_start, sk, m0, 0, sk,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
+        USE_TMA, PLAIN_SCORES, DOT_PREC, False,
+    )  # fmt: skip
+    o_base = O + _row_off(q_start, b, stride_om, stride_ob, VARLEN) + h * stride_oh
+    lse_base = LSE + _row_off(q_start, b, 1, stride_lb, VARLEN) + h * stride_lh
+    _store_rows(o_base, lse_base, acc, l_i, m_i, m0 + tl.arange(0, BLOCK_M), sq, stride_om, drop_scale, 0,
+                HEAD_DIM, BLOCK_D, DROPOUT)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "n_main", "kv_tiles", "piece_len", "max_pieces"])
+def _fwd_tail_combine_kernel(
+    O, LSE, ACC_WS, ML_WS, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+    nheads, seqlen_q, n_main, kv_tiles, piece_len, max_pieces, drop_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, COLS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(split row tiles, BLOCK_D // COLS)``: merges the pieces' partial states of one row tile
+    (in a fixed order: bit-identical run to run) for ``COLS`` output columns and writes them (and the
+    LSE) like the forward's epilogue. Padded batches only."""
+    t = tl.program_id(0)
+    col0 = tl.program_id(1) * COLS
+    pid_m, b, h = _tile_coords(n_main + t, tl.cdiv(seqlen_q, BLOCK_M), nheads)
+    n_pieces = ((t + 1) * kv_tiles - 1) // piece_len - (t * kv_tiles) // piece_len + 1
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for p in range(n_pieces):
+        _a, m_offs, _l = _ws_offsets(t * max_pieces + p, col0, BLOCK_M, BLOCK_D, COLS)
+        m_i = tl.maximum(m_i, tl.load(ML_WS + m_offs))
+    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+    acc = tl.zeros([BLOCK_M, COLS], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for p in range(n_pieces):
+        acc_offs, m_offs, l_offs = _ws_offsets(t * max_pieces + p, col0, BLOCK_M, BLOCK_D, COLS)
+        w = tl.math.exp2(tl.load(ML_WS + m_offs) - m_use)
+        acc += tl.load(ACC_WS + acc_offs) * w[:, None]
+        l_i += tl.load(ML_WS + l_offs) * w
+    o_base = O + b.to(tl.int64) * stride_ob + h * stride_oh
+    lse_base = LSE + b.to(tl.int64) * stride_lb + h * stride_lh
+    _store_rows(o_base, lse_base, acc, l_i, m_i, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), seqlen_q, stride_om,
+                drop_scale, col0, HEAD_DIM, COLS, DROPOUT)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -686,11 +822,67 @@ def fwd_uses_tma(cfg: FwdConfig, prob: AttnProblem, q: Tensor, k: Tensor, v: Ten
     )
 
 
+@dataclass(frozen=True)
+class TailSplit:
+    """Stream-K split of a non-causal forward's last, partial wave of row tiles.
+
+    With one row tile per program and ``P`` programs resident at once, ``n_tiles`` tiles take
+    ``ceil(n_tiles / P)`` waves of equal length; the last one is partial (d=128 at 16k tokens on
+    the H200: 2048 tiles = 15.5 waves of 132, run in 16). The split runs the ``n_main`` tiles of the
+    full waves whole and deals the key tiles of the remaining ones, ``tail_work`` = tiles x key
+    tiles in row-tile order, out in ``n_tail`` pieces of ``piece_len`` (the last one shorter), so
+    the tail takes ``piece_len / kv_tiles`` of a wave. Each piece leaves an unnormalised partial
+    state per row tile it touches in a workspace slot (``max_pieces`` slots per tile);
+    ``_fwd_tail_combine_kernel`` merges them in a fixed order.
+    """
+
+    n_main: int
+    n_tail: int
+    tail_tiles: int
+    kv_tiles: int
+    piece_len: int
+    max_pieces: int
+
+    @property
+    def tail_work(self) -> int:
+        return self.tail_tiles * self.kv_tiles
+
+
+def plan_tail_split(n_tiles: int, kv_tiles: int, resident: int, min_piece: int = 2) -> TailSplit | None:
+    """The :class:`TailSplit` of ``n_tiles`` row tiles of ``kv_tiles`` key tiles each with
+    ``resident`` programs at once, or ``None`` when it would not shorten the run: no partial wave,
+    or pieces (at least ``min_piece`` key tiles) longer than 3/4 of a row tile's."""
+    if resident < 1 or n_tiles < 1:
+        return None
+    tail_tiles = n_tiles % resident
+    if tail_tiles == 0:
+        return None
+    work = tail_tiles * kv_tiles
+    n_tail = min(resident, work // max(1, min_piece))
+    if n_tail <= tail_tiles:
+        return None
+    piece_len = cdiv(work, n_tail)
+    if 4 * piece_len > 3 * kv_tiles:
+        return None
+    # A row tile's kv_tiles consecutive steps meet at most this many pieces.
+    max_pieces = (kv_tiles + piece_len - 2) // piece_len + 1
+    return TailSplit(n_tiles - tail_tiles, cdiv(work, piece_len), tail_tiles, kv_tiles, piece_len, max_pieces)
+
+
+def tail_split_applies(cfg: FwdConfig, prob: AttnProblem) -> bool:
+    """Whether the forward of ``prob`` may take a :class:`TailSplit`: every row tile must do the
+    same work (padded batch, no causal / window mask)."""
+    return cfg.split_tail and not prob.varlen and prob.window_left < 0 and prob.window_right < 0
+
+
 # Compiled forward launches by launch key (like Triton's per-kernel compile cache, process-wide).
 _FWD_LAUNCHES = LaunchCache(_attn_fwd_kernel)
-# Positions of the per-call arguments of ``_attn_fwd_kernel`` (LaunchCache slots): the eleven
-# tensor / descriptor arguments, the LSE strides, seqlen_q, seqlen_k and the dropout seed.
-_FWD_SLOTS = (*range(11), 23, 24, 28, 29, 37)
+_COMBINE_LAUNCHES = LaunchCache(_fwd_tail_combine_kernel)
+# Positions of the per-call arguments of ``_attn_fwd_kernel`` (LaunchCache slots): the thirteen
+# tensor / descriptor arguments, the LSE strides, seqlen_q, seqlen_k, the dropout seed and the
+# tail split's numbers.
+_FWD_SLOTS = (*range(13), 25, 26, 30, 31, 39, 40, 41, 42, 43)
+_COMBINE_SLOTS = (0, 1, 2, 3, 7, 8, 10, 11, 12, 13, 14)
 
 
 def _launch_fwd(
@@ -705,7 +897,10 @@ def _launch_fwd(
     alibi_slopes: Tensor | None,
     seed: int,
     cfg: FwdConfig,
+    resident: int | None = None,
 ) -> None:
+    """Launch the forward. ``resident``: programs the GPU holds at once, for the tail split
+    (default: see :func:`flash_fwd`'s ``resident_programs``)."""
     d = prob.head_dim
     use_tma = fwd_uses_tma(cfg, prob, q, k, v)
     if use_tma:
@@ -719,8 +914,7 @@ def _launch_fwd(
     ck = cu_k if cu_k is not None else q
     stride_lb, stride_lh = lse_strides(prob, lse)
     sq, sk = prob.seqlen_q, prob.seqlen_k
-    grid = (cdiv(sq, cfg.block_m), prob.batch * prob.nheads)
-    values = (q, k, v, out, lse, alibi, cq, ck, desc_q, desc_k, desc_v, stride_lb, stride_lh, sq, sk, seed)
+    n_m = cdiv(sq, cfg.block_m)
     key = (
         prob.nheads, prob.nheads_k, d, prob.varlen, prob.softmax_scale, prob.window_left,
         prob.window_right, prob.softcap, prob.dropout_p, cfg, use_tma, q.dtype, q.device.index,
@@ -729,27 +923,83 @@ def _launch_fwd(
         int_spec(sq), int_spec(sk), int_spec(seed),
     )  # fmt: skip
 
-    def build() -> tuple[list[Any], dict[str, Any]]:
-        common = launch_common(prob, alibi_slopes)
-        args = [
-            q, k, v, out, lse, alibi, cq, ck, desc_q, desc_k, desc_v,
-            *bsh_strides(q, prob.varlen), *bsh_strides(k, prob.varlen), *bsh_strides(v, prob.varlen),
-            *bsh_strides(out, prob.varlen), stride_lb, stride_lh, stride_ab,
-            prob.nheads, prob.group, sq, sk,
-            common["qk_scale"], common["cap_in"], common["cap_out"], common["window_left"],
-            common["window_right"], prob.dropout_p, 1.0 / (1.0 - prob.dropout_p), seed,
-        ]  # fmt: skip
-        kwargs = {
-            "HEAD_DIM": d, "BLOCK_D": prob.block_d, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-            "VARLEN": prob.varlen, "HAS_LEFT": common["HAS_LEFT"], "HAS_RIGHT": common["HAS_RIGHT"],
-            "SOFTCAP": common["SOFTCAP"], "HAS_ALIBI": common["HAS_ALIBI"], "DROPOUT": common["DROPOUT"],
-            "USE_TMA": use_tma, "REVERSE_M": prob.heavy_last,
-            "PLAIN_SCORES": prob.softmax_scale > 0 and not common["SOFTCAP"] and alibi_slopes is None,
-            "DOT_PREC": dot_precision(q.dtype), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-        }  # fmt: skip
+    def values(split: TailSplit | None, acc_ws: Tensor, ml_ws: Tensor) -> tuple[Any, ...]:
+        nums = (
+            (0, 0, 1, 1)
+            if split is None
+            else (split.n_main, split.tail_work, split.piece_len, split.max_pieces)
+        )
+        return (q, k, v, out, lse, alibi, cq, ck, desc_q, desc_k, desc_v, acc_ws, ml_ws, stride_lb, stride_lh,
+                sq, sk, seed, *nums)  # fmt: skip
+
+    def builder(vals: tuple[Any, ...], tail: bool) -> Callable[[], tuple[list[Any], dict[str, Any]]]:
+        def build() -> tuple[list[Any], dict[str, Any]]:
+            common = launch_common(prob, alibi_slopes)
+            args = [
+                *vals[:13],
+                *bsh_strides(q, prob.varlen), *bsh_strides(k, prob.varlen), *bsh_strides(v, prob.varlen),
+                *bsh_strides(out, prob.varlen), stride_lb, stride_lh, stride_ab,
+                prob.nheads, prob.group, sq, sk,
+                common["qk_scale"], common["cap_in"], common["cap_out"], common["window_left"],
+                common["window_right"], prob.dropout_p, 1.0 / (1.0 - prob.dropout_p), seed, *vals[18:],
+            ]  # fmt: skip
+            kwargs = {
+                "HEAD_DIM": d, "BLOCK_D": prob.block_d, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                "VARLEN": prob.varlen, "HAS_LEFT": common["HAS_LEFT"], "HAS_RIGHT": common["HAS_RIGHT"],
+                "SOFTCAP": common["SOFTCAP"], "HAS_ALIBI": common["HAS_ALIBI"], "DROPOUT": common["DROPOUT"],
+                "USE_TMA": use_tma, "REVERSE_M": prob.heavy_last,
+                "PLAIN_SCORES": prob.softmax_scale > 0 and not common["SOFTCAP"] and alibi_slopes is None,
+                "DOT_PREC": dot_precision(q.dtype), "TAIL": tail,
+                "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            }  # fmt: skip
+            return args, kwargs
+
+        return build
+
+    split = None
+    if tail_split_applies(cfg, prob):
+        if resident is None and q.device.type == "cuda":
+            # The tail variant's occupancy (its compile, once per key, needs only placeholder numbers).
+            ws = lse.new_empty(4)
+            vals = values(TailSplit(0, 1, 1, 2, 1, 2), ws, ws)
+            kernel = _FWD_LAUNCHES.compiled((*key, True), _FWD_SLOTS, vals, builder(vals, True))
+            # Only where one program fills an SM: with several per SM, an SM left with fewer
+            # programs in the last wave runs them faster, and the split's extra Q loads, partial
+            # stores and combine launch cost more than the wave saves (H200, d=128 at 1k tokens with
+            # 64 x 64 tiles, 3 programs per SM: 2.5% slower split).
+            if kernel is not None and programs_per_sm(kernel, q.device) == 1:
+                resident = torch.cuda.get_device_properties(q.device).multi_processor_count
+        if resident:
+            split = plan_tail_split(n_m * prob.batch * prob.nheads, cdiv(sk, cfg.block_n), resident)
+    if split is None:
+        vals = values(None, lse, lse)
+        grid = (prob.batch * prob.nheads, n_m) if prob.heavy_last else (n_m, prob.batch * prob.nheads)
+        _FWD_LAUNCHES.launch((*key, False), grid, _FWD_SLOTS, vals, builder(vals, False))
+        return
+    slots = split.tail_tiles * split.max_pieces
+    acc_ws = torch.empty((slots, cfg.block_m, prob.block_d), dtype=torch.float32, device=q.device)
+    ml_ws = torch.empty((slots, 2, cfg.block_m), dtype=torch.float32, device=q.device)
+    vals = values(split, acc_ws, ml_ws)
+    _FWD_LAUNCHES.launch((*key, True), (split.n_main + split.n_tail,), _FWD_SLOTS, vals, builder(vals, True))
+    ob, om, oh = bsh_strides(out, False)
+    cvals = (out, lse, acc_ws, ml_ws, stride_lb, stride_lh, sq, split.n_main, split.kv_tiles, split.piece_len,
+             split.max_pieces)  # fmt: skip
+
+    # 64-column slices: <= 64 accumulator elements per thread (a 128 x 256 tile in one program spills).
+    cols = min(64, prob.block_d)
+
+    def build_combine() -> tuple[list[Any], dict[str, Any]]:
+        args = [out, lse, acc_ws, ml_ws, ob, om, oh, stride_lb, stride_lh, prob.nheads, sq, split.n_main,
+                split.kv_tiles, split.piece_len, split.max_pieces, 1.0 / (1.0 - prob.dropout_p)]  # fmt: skip
+        kwargs = {"HEAD_DIM": d, "BLOCK_D": prob.block_d, "BLOCK_M": cfg.block_m, "DROPOUT": prob.dropout_p > 0,
+                  "COLS": cols, "num_warps": 4, "num_stages": 1}  # fmt: skip
         return args, kwargs
 
-    _FWD_LAUNCHES.launch(key, grid, _FWD_SLOTS, values, build)
+    ckey = (prob.nheads, d, cfg.block_m, prob.dropout_p, out.dtype, q.device.index, out.stride(),
+            aligned(out, lse), int_spec(stride_lb), int_spec(stride_lh))  # fmt: skip
+    _COMBINE_LAUNCHES.launch(
+        ckey, (split.tail_tiles, prob.block_d // cols), _COMBINE_SLOTS, cvals, build_combine
+    )
 
 
 def _bucket(n: int) -> int:
@@ -786,6 +1036,7 @@ def flash_fwd(
     validate: bool = True,
     out: Tensor | None = None,
     problem: AttnProblem | None = None,
+    resident_programs: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """FlashAttention forward (no autograd).
 
@@ -799,6 +1050,9 @@ def flash_fwd(
         out: optional preallocated output like ``q``.
         problem: the :func:`check_attention_inputs` result for exactly these arguments, when the
             caller has already validated them (the eager API's path: skips a second check).
+        resident_programs: programs the GPU runs at once, which sizes the :class:`TailSplit` of
+            padded unmasked problems (default on CUDA: the SM count when one program fills an SM,
+            else no split; no split under the interpreter unless given).
 
     Returns:
         ``out`` like ``q`` and ``lse`` float32 (natural log, ``-inf`` for rows with no visible key):
@@ -816,7 +1070,7 @@ def flash_fwd(
             q.float(), k.float(), v.float(), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-            seed=seed, config=config, validate=False,
+            seed=seed, config=config, validate=False, resident_programs=resident_programs,
         )  # fmt: skip
         if out is None:
             return o32.to(q.dtype), lse
@@ -839,12 +1093,12 @@ def flash_fwd(
             config = autotune(  # type: ignore[assignment]
                 ("fwd", *problem_key(prob, q, alibi_slopes is not None)),
                 fwd_candidates(prob.head_dim, q.device),
-                lambda cfg: _launch_fwd(*args, cfg),  # type: ignore[arg-type]
+                lambda cfg: _launch_fwd(*args, cfg, resident_programs),  # type: ignore[arg-type]
             )
         else:
             config = fwd_config(prob.head_dim, q.dtype, prob.causal, q.device, prob.seqlen_k)
     assert config is not None
-    _launch_fwd(*args, config)
+    _launch_fwd(*args, config, resident_programs)
     return out, lse
 
 

@@ -31,9 +31,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
-__all__ = ["LaunchCache", "aligned", "cdiv", "int_spec", "next_pow2"]
+__all__ = ["LaunchCache", "aligned", "cdiv", "int_spec", "next_pow2", "programs_per_sm"]
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31
 _I64_MAX = 2**63
@@ -132,11 +133,43 @@ class LaunchCache:
         args, kwargs = build()
         kernel = self.fn[grid](*args, **kwargs)
         if key is not None:
-            template = self._template(args, kwargs, slots, values)
-            if kernel is not None and hasattr(kernel, "packed_metadata") and template is not None:
-                if len(self._plans) >= self.max_plans:
-                    self._plans.clear()
-                self._plans[key] = _Plan(kernel, template, slots)
+            self._remember(key, kernel, args, kwargs, slots, values)
+
+    def compiled(
+        self,
+        key: Hashable,
+        slots: tuple[int, ...],
+        values: Sequence[Any],
+        build: Callable[[], tuple[list[Any], dict[str, Any]]],
+    ) -> Any:
+        """The compiled kernel of ``key`` (compiled now, without a launch, if it has no plan yet;
+        ``build`` as for :meth:`launch`), e.g. to size a grid by its occupancy; ``None`` where
+        nothing is compiled (the Triton interpreter)."""
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan.kernel
+        warmup = getattr(self.fn, "warmup", None)
+        if warmup is None:
+            return None
+        args, kwargs = build()
+        kernel = warmup(*args, grid=(1,), **kwargs)
+        self._remember(key, kernel, args, kwargs, slots, values)
+        return kernel if hasattr(kernel, "packed_metadata") else None
+
+    def _remember(
+        self,
+        key: Hashable,
+        kernel: Any,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        slots: tuple[int, ...],
+        values: Sequence[Any],
+    ) -> None:
+        template = self._template(args, kwargs, slots, values)
+        if kernel is not None and hasattr(kernel, "packed_metadata") and template is not None:
+            if len(self._plans) >= self.max_plans:
+                self._plans.clear()
+            self._plans[key] = _Plan(kernel, template, slots)
 
     def _template(
         self, args: list[Any], kwargs: dict[str, Any], slots: tuple[int, ...], values: Sequence[Any]
@@ -162,3 +195,28 @@ class LaunchCache:
         for i in slots:
             template[i] = None
         return template
+
+
+def programs_per_sm(kernel: Any, device: torch.device) -> int:
+    """How many programs of a compiled kernel one SM holds at once, from its shared memory,
+    registers and warps and the device's limits (CUDA's occupancy rules: 1 KB of shared memory
+    reserved per block, registers allocated per warp in units of 256). At least 1."""
+    props = torch.cuda.get_device_properties(device)
+    # Hopper's limits where this torch does not report them
+    threads = getattr(props, "max_threads_per_multi_processor", 2048)
+    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    md = kernel.metadata
+    warps = int(md.num_warps)
+    limits = [max(1, threads // (32 * warps)), 32]
+    smem = int(md.shared)
+    if smem > 0:
+        limits.append(smem_sm // (smem + 1024))
+    regs = getattr(kernel, "n_regs", None)
+    if regs is None and hasattr(kernel, "_init_handles"):
+        kernel._init_handles()  # loads the module: sets n_regs
+        regs = getattr(kernel, "n_regs", None)
+    if regs:
+        per_warp = -(-int(regs) * 32 // 256) * 256
+        limits.append((regs_sm // per_warp) // warps)
+    return max(1, min(limits))
