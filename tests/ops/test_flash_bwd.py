@@ -11,7 +11,7 @@ from torch import Tensor
 from flashpage.ops import flash_bwd as flash_bwd_module
 from flashpage.ops.flash_bwd import flash_bwd
 from flashpage.ops.flash_configs import BwdConfig
-from flashpage.ops.flash_fwd import attention_probs, check_attention_inputs, flash_fwd
+from flashpage.ops.flash_fwd import attention_probs, check_attention_inputs, flash_fwd, plan_tail_split
 from flashpage.ops.reference import attention_ref, varlen_attention_ref
 from tests.ops.test_flash_fwd import _alibi, make_qkv, make_varlen, on_device  # noqa: F401 (fixture)
 from tests.tolerance import assert_close_to_ref
@@ -185,6 +185,47 @@ def test_deterministic_bit_identical(cfg: BwdConfig) -> None:
     first = flash_bwd(do, q, k, v, out, lse, causal=True, deterministic=True, config=cfg)
     second = flash_bwd(do, q, k, v, out, lse, causal=True, deterministic=True, config=cfg)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+SPLIT_DKDV = BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, "separate", split_dkdv=True)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "opts"),
+    [
+        (SEPARATE, {}),
+        (ATOMIC, {"softcap": 3.0}),
+        (SPLIT_DKDV, {"alibi": "batch"}),
+        (SEPARATE_TMA, {"dropout_p": 0.2, "seed": 5}),
+    ],
+    ids=["separate", "atomic-softcap", "split-dkdv-alibi", "tma-dropout"],
+)
+def test_tail_split_backward_matches_whole_tiles(cfg: BwdConfig, opts: dict) -> None:
+    """dK/dV tiles split over (query head, query tile) steps and dQ tiles over key tiles give the
+    whole-tile gradients (and the reference's); separate dQ stays bit-identical run to run."""
+    b, sq, sk, h, hk, d, resident = 2, 40, 70, 4, 2, 32, 16
+    assert plan_tail_split(-(-sk // 16) * b * hk, (h // hk) * -(-sq // 16), resident) is not None  # dK/dV
+    assert plan_tail_split(-(-sq // 16) * b * h, -(-sk // 16), resident) is not None  # dQ
+    opts = dict(opts)
+    alibi = _alibi(opts.pop("alibi", None), b, h)
+    q, k, v = make_qkv(b, sq, sk, h, hk, d)
+    do = torch.randn_like(q)
+    out, lse = flash_fwd(q, k, v, alibi_slopes=alibi, **opts)
+    split = flash_bwd(
+        do, q, k, v, out, lse, config=cfg, alibi_slopes=alibi, resident_programs=resident, **opts
+    )
+    whole = flash_bwd(do, q, k, v, out, lse, config=cfg, alibi_slopes=alibi, **opts)
+    for name, a, w in zip(("dq", "dk", "dv"), split, whole):
+        torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5, msg=name)
+    if "dropout_p" not in opts:
+        refs = ref_grads(q, k, v, do, alibi_slopes=alibi, **opts)
+        for name, a, r in zip(("dq", "dk", "dv"), split, refs):
+            assert_close_to_ref(a, r, r, name=name)
+    if cfg.dq_mode == "separate":
+        again = flash_bwd(
+            do, q, k, v, out, lse, config=cfg, alibi_slopes=alibi, resident_programs=resident, **opts
+        )
+        assert all(torch.equal(a, c) for a, c in zip(split, again))
 
 
 def test_backward_validation() -> None:

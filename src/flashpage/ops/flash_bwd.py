@@ -29,6 +29,7 @@ reused, so forward and backward agree on masks, ALiBi, softcap and the dropout p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -48,6 +49,7 @@ from flashpage.ops.flash_configs import (
 from flashpage.ops.flash_fwd import (
     LOG2E,
     AttnProblem,
+    TailSplit,
     _keep,
     _key_range,
     _load_rows,
@@ -55,6 +57,7 @@ from flashpage.ops.flash_fwd import (
     _scores,
     _seq_bounds,
     _visible,
+    _ws_offsets,
     alibi_args,
     bsh_strides,
     check_attention_inputs,
@@ -63,7 +66,10 @@ from flashpage.ops.flash_fwd import (
     lse_strides,
     make_row_descriptor,
     needs_interpreter_upcast,
+    plan_split_launch,
     problem_key,
+    tail_split_applies,
+    tail_split_numbers,
     tma_row_view_ok,
 )
 from flashpage.ops.launch_cache import LaunchCache, aligned, cdiv, int_spec
@@ -182,14 +188,21 @@ def _dkdv_program(
     stride_lb, stride_lh, stride_ab,
     nheads_k, group, seqlen_q, seqlen_k,
     sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+    s_lo, s_hi, slot, DK_WS, DV_WS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PREC: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr, DQ_TMA: tl.constexpr,
+    SLICE: tl.constexpr,
 ):  # fmt: skip
     """dK/dV of KV tile ``pid_n`` of (sequence, KV head) ``pid_bh``: the body of the dK/dV kernel,
     also run by the dK/dV programs of the fused launch. No early ``return`` (the fused kernel calls
-    this inside a branch), so the whole body sits under the tile's bounds check."""
+    this inside a branch), so the whole body sits under the tile's bounds check.
+
+    ``SLICE`` (a tail-split piece, see ``flash_fwd.TailSplit``): only the steps ``[s_lo, s_hi)`` of
+    the tile's (query head of the group, query tile) range, flattened head-major, and the float32
+    partial dK / dV go to workspace slot ``slot`` of ``DK_WS`` / ``DV_WS`` (``(slots, BLOCK_N,
+    BLOCK_D)``) instead of DK / DV."""
     b = pid_bh // nheads_k
     hk = pid_bh % nheads_k
     q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
@@ -232,8 +245,17 @@ def _dkdv_program(
 
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        n_q_tiles = tl.cdiv(sq, BLOCK_M)
         for g in range(0, group):  # GQA: sum over the query heads of this KV head
             h = hk * group + g
+            g_lo, g_fs, g_fe, g_hi = m_lo, fs, fe, m_hi
+            if SLICE:  # this piece's query rows of head g (an empty range for the others)
+                r0 = tl.maximum(s_lo - g * n_q_tiles, 0) * BLOCK_M
+                r1 = tl.minimum(s_hi - g * n_q_tiles, n_q_tiles) * BLOCK_M
+                g_lo = tl.maximum(g_lo, r0)
+                g_fs = tl.maximum(g_fs, r0)
+                g_fe = tl.minimum(g_fe, r1)
+                g_hi = tl.minimum(g_hi, r1)
             q_ptr = Q + q_off + h * stride_qh
             do_ptr = DO + do_off + h * stride_doh
             dq_ptr = DQ + dq_off + h * stride_dqh
@@ -246,7 +268,7 @@ def _dkdv_program(
             if HAS_RIGHT:  # the diagonal / right-window edge
                 dk, dv = _dkdv_tiles(
                     dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, desc_dq, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
-                    dq_ptr, m_lo, tl.minimum(fs, m_hi), offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
+                    dq_ptr, g_lo, tl.minimum(g_fs, g_hi), offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
                     sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
                     dropout_p, drop_scale, seed, rng_base, seqlen_k,
                     True, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
@@ -254,7 +276,7 @@ def _dkdv_program(
                 )  # fmt: skip
             dk, dv = _dkdv_tiles(  # fully visible query tiles
                 dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, desc_dq, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
-                dq_ptr, fs, fe, offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
+                dq_ptr, g_fs, g_fe, offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
                 sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
                 dropout_p, drop_scale, seed, rng_base, seqlen_k,
                 False, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
@@ -262,23 +284,32 @@ def _dkdv_program(
             )  # fmt: skip
             dk, dv = _dkdv_tiles(  # left-window edge / query-sequence end
                 dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, desc_dq, q_start, h * HEAD_DIM, lse_ptr, delta_ptr,
-                dq_ptr, tl.maximum(fe, fs), m_hi, offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
+                dq_ptr, tl.maximum(g_fe, g_fs), g_hi, offs_n, offs_d, stride_qm, stride_dom, stride_dqm,
                 sq, sk, off, sm_scale, qk_scale, cap_in, cap_out, slope2, window_left, window_right,
                 dropout_p, drop_scale, seed, rng_base, seqlen_k,
                 True, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
                 ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV, DQ_TMA,
             )  # fmt: skip
 
-        st_mask = (offs_n[:, None] < sk) & (offs_d[None, :] < HEAD_DIM)
-        dk_ptrs = DK + dk_off + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
-        dv_ptrs = DV + dv_off + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
-        if DO_DK:
-            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=st_mask)
-        if DO_DV:
-            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=st_mask)
+        if SLICE:
+            ws_offs = _ws_offsets(slot, 0, BLOCK_N, BLOCK_D, BLOCK_D)[0]
+            if DO_DK:
+                tl.store(DK_WS + ws_offs, dk)
+            if DO_DV:
+                tl.store(DV_WS + ws_offs, dv)
+        else:
+            st_mask = (offs_n[:, None] < sk) & (offs_d[None, :] < HEAD_DIM)
+            dk_ptrs = DK + dk_off + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
+            dv_ptrs = DV + dv_off + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
+            if DO_DK:
+                tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=st_mask)
+            if DO_DV:
+                tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=st_mask)
 
 
-@triton.jit(do_not_specialize=["seed", "seqlen_q", "seqlen_k"])
+@triton.jit(
+    do_not_specialize=["seed", "seqlen_q", "seqlen_k", "n_main", "tail_work", "piece_len", "max_pieces"]
+)
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ, ALIBI, CU_Q, CU_K, desc_q, desc_do, desc_dq,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -287,17 +318,43 @@ def _bwd_dkdv_kernel(
     stride_lb, stride_lh, stride_ab,
     nheads_k, group, seqlen_q, seqlen_k,
     sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+    DK_WS, DV_WS, n_main, tail_work, piece_len, max_pieces,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PREC: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr, DQ_TMA: tl.constexpr,
-    HEADS_INNER: tl.constexpr,
+    TAIL: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(KV tiles, batch * nheads_k)``, or with ``HEADS_INNER`` (causal: the first KV tiles are
-    the heaviest) ``(batch * nheads_k, KV tiles)``: every head's heaviest tiles start first."""
-    if HEADS_INNER:
-        pid_n = tl.program_id(1)
-        pid_bh = tl.program_id(0)
+    """Grid ``(KV tiles, batch * nheads_k)``; ``TAIL``: a 1-D grid of ``n_main`` whole KV tiles, then the pieces of a ``flash_fwd.TailSplit`` whose steps
+    are a tile's (query head of the group, query tile) pairs."""
+    if TAIL:
+        pid = tl.program_id(0)
+        n_kv = tl.cdiv(seqlen_k, BLOCK_N)
+        if pid >= n_main:
+            j = pid - n_main
+            steps = group * tl.cdiv(seqlen_q, BLOCK_M)
+            it0 = j * piece_len
+            it1 = tl.minimum(it0 + piece_len, tail_work)
+            for t in range(it0 // steps, (it1 - 1) // steps + 1):
+                t0 = t * steps
+                tile = n_main + t
+                _dkdv_program(
+                    tile % n_kv, tile // n_kv,
+                    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, ALIBI, CU_Q, CU_K, desc_q, desc_do, desc_dq,
+                    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+                    stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
+                    stride_dvb, stride_dvn, stride_dvh, stride_dqb, stride_dqm, stride_dqh,
+                    stride_lb, stride_lh, stride_ab,
+                    nheads_k, group, seqlen_q, seqlen_k,
+                    sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale,
+                    seed, tl.maximum(it0, t0) - t0, tl.minimum(it1, t0 + steps) - t0,
+                    t * max_pieces + j - t0 // piece_len, DK_WS, DV_WS,
+                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+                    DROPOUT, ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV, DQ_TMA, True,
+                )  # fmt: skip
+            return
+        pid_n = pid % n_kv
+        pid_bh = pid // n_kv
     else:
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -310,8 +367,9 @@ def _bwd_dkdv_kernel(
         stride_lb, stride_lh, stride_ab,
         nheads_k, group, seqlen_q, seqlen_k,
         sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+        0, 0, 0, DK_WS, DV_WS,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
-        ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV, DQ_TMA,
+        ATOMIC_DQ, USE_TMA, DOT_PREC, DO_DK, DO_DV, DQ_TMA, False,
     )  # fmt: skip
 
 
@@ -362,12 +420,16 @@ def _dq_program(
     stride_lb, stride_lh, stride_ab,
     nheads, group, seqlen_q, seqlen_k,
     sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+    n_lo, n_hi, slot, DQ_WS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
+    SLICE: tl.constexpr,
 ):  # fmt: skip
     """dQ of query tile ``pid_m`` of (sequence, query head) ``pid_bh`` (the dQ kernel's body, also
-    run by the dQ programs of the fused launch; no early ``return``, see :func:`_dkdv_program`)."""
+    run by the dQ programs of the fused launch; no early ``return``, see :func:`_dkdv_program`).
+    ``SLICE``: only keys ``[n_lo, n_hi)`` (multiples of ``BLOCK_N``), the float32 partial dQ into
+    slot ``slot`` of ``DQ_WS`` (``(slots, BLOCK_M, BLOCK_D)``)."""
     b = pid_bh // nheads
     h = pid_bh % nheads
     hk = h // group
@@ -400,6 +462,11 @@ def _dq_program(
         lo, fs, fe, hi = _key_range(
             m0, sk, off, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
         )
+        if SLICE:
+            lo = tl.maximum(lo, n_lo)
+            fs = tl.maximum(fs, n_lo)
+            fe = tl.minimum(fe, n_hi)
+            hi = tl.minimum(hi, n_hi)
 
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         if HAS_LEFT:
@@ -428,11 +495,16 @@ def _dq_program(
             DOT_PREC,
         )  # fmt: skip
         dq = dq * sm_scale
-        dq_ptrs = DQ + dq_off + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
-        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+        if SLICE:
+            tl.store(DQ_WS + _ws_offsets(slot, 0, BLOCK_M, BLOCK_D, BLOCK_D)[0], dq)
+        else:
+            dq_ptrs = DQ + dq_off + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
+            tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
-@triton.jit(do_not_specialize=["seed", "seqlen_q", "seqlen_k"])
+@triton.jit(
+    do_not_specialize=["seed", "seqlen_q", "seqlen_k", "n_main", "tail_work", "piece_len", "max_pieces"]
+)
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, ALIBI, CU_Q, CU_K, desc_k, desc_v,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -440,17 +512,46 @@ def _bwd_dq_kernel(
     stride_lb, stride_lh, stride_ab,
     nheads, group, seqlen_q, seqlen_k,
     sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+    DQ_WS, n_main, tail_work, piece_len, max_pieces,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, REVERSE_M: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, TAIL: tl.constexpr,
 ):  # fmt: skip
-    if REVERSE_M:  # causal: grid (batch * nheads, query tiles), every head's heaviest tiles first
-        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-        pid_bh = tl.program_id(0)
+    """Grid ``(query tiles, batch * nheads)`` (causal: heaviest first); ``TAIL``: a 1-D
+    grid of ``n_main`` whole query tiles, then the pieces of a ``flash_fwd.TailSplit`` over key tiles."""
+    if TAIL:
+        pid = tl.program_id(0)
+        n_q = tl.cdiv(seqlen_q, BLOCK_M)
+        if pid >= n_main:
+            j = pid - n_main
+            steps = tl.cdiv(seqlen_k, BLOCK_N)
+            it0 = j * piece_len
+            it1 = tl.minimum(it0 + piece_len, tail_work)
+            for t in range(it0 // steps, (it1 - 1) // steps + 1):
+                t0 = t * steps
+                tile = n_main + t
+                _dq_program(
+                    tile % n_q, tile // n_q,
+                    Q, K, V, DO, LSE, DELTA, DQ, ALIBI, CU_Q, CU_K, desc_k, desc_v,
+                    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+                    stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+                    stride_lb, stride_lh, stride_ab,
+                    nheads, group, seqlen_q, seqlen_k,
+                    sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale,
+                    seed, (tl.maximum(it0, t0) - t0) * BLOCK_N, (tl.minimum(it1, t0 + steps) - t0) * BLOCK_N,
+                    t * max_pieces + j - t0 // piece_len, DQ_WS,
+                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI,
+                    DROPOUT, USE_TMA, DOT_PREC, True,
+                )  # fmt: skip
+            return
+        pid_m = pid % n_q
+        pid_bh = pid // n_q
     else:
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
+        if REVERSE_M:  # causal: heaviest query tiles first
+            pid_m = tl.num_programs(0) - 1 - pid_m
     _dq_program(
         pid_m, pid_bh,
         Q, K, V, DO, LSE, DELTA, DQ, ALIBI, CU_Q, CU_K, desc_k, desc_v,
@@ -459,8 +560,9 @@ def _bwd_dq_kernel(
         stride_lb, stride_lh, stride_ab,
         nheads, group, seqlen_q, seqlen_k,
         sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+        0, 0, 0, DQ_WS,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
-        USE_TMA, DOT_PREC,
+        USE_TMA, DOT_PREC, False,
     )  # fmt: skip
 
 
@@ -478,7 +580,6 @@ def _bwd_fused_kernel(
     VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA1: tl.constexpr, USE_TMA2: tl.constexpr,
     REVERSE_M: tl.constexpr, DOT_PREC: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
-    HEADS_INNER: tl.constexpr,
 ):  # fmt: skip
     """dK/dV and dQ in one launch (``dq_mode="fused"``, the layout of FlexAttention's backward).
 
@@ -486,14 +587,9 @@ def _bwd_fused_kernel(
     ``[0, n_kv_tiles)`` are its dK/dV tiles, the rest the dQ tiles of its ``group`` query heads
     (heaviest first when causal). Both kinds then share the GPU's waves: the shorter dQ programs fill
     the last wave of dK/dV work instead of each kernel ending on its own partly idle wave, and the
-    dQ programs of a head run while its K/V are still in L2. ``HEADS_INNER`` (causal) swaps the grid's
-    axes: the tiles of one index start together for all heads, heaviest first, lightest last."""
-    if HEADS_INNER:
-        pid = tl.program_id(1)
-        pid_bh = tl.program_id(0)
-    else:
-        pid = tl.program_id(0)
-        pid_bh = tl.program_id(1)
+    dQ programs of a head run while its K/V are still in L2."""
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
     if pid < n_kv_tiles:
         _dkdv_program(
             pid, pid_bh,
@@ -504,8 +600,9 @@ def _bwd_fused_kernel(
             stride_lb, stride_lh, stride_ab,
             nheads_k, group, seqlen_q, seqlen_k,
             sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+            0, 0, 0, DK, DV,
             HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
-            False, USE_TMA1, DOT_PREC, DO_DK, DO_DV, False,
+            False, USE_TMA1, DOT_PREC, DO_DK, DO_DV, False, False,
         )  # fmt: skip
     else:
         j = pid - n_kv_tiles
@@ -521,9 +618,38 @@ def _bwd_fused_kernel(
             stride_lb, stride_lh, stride_ab,
             nheads_k * group, group, seqlen_q, seqlen_k,
             sm_scale, qk_scale, cap_in, cap_out, window_left, window_right, dropout_p, drop_scale, seed,
+            0, 0, 0, DQ,
             HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
-            USE_TMA2, DOT_PREC,
+            USE_TMA2, DOT_PREC, False,
         )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["seqlen", "n_main", "steps", "piece_len", "max_pieces"])
+def _tail_sum_kernel(
+    WS, OUT, stride_ob, stride_or, stride_oh, nheads, seqlen, n_main, steps, piece_len, max_pieces,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(split tiles, BLOCK_D // COLS)``: the ``BLOCK_R`` rows of one split tile of ``OUT``
+    (``(batch, seqlen, nheads, d)`` strides) = the sum of its pieces' float32 partials in ``WS``
+    (fixed order: bit-identical run to run), cast to OUT's dtype. Tiles are numbered as in the
+    1-D tail grid: row tile fastest, then (sequence, head)."""
+    t = tl.program_id(0)
+    col0 = tl.program_id(1) * COLS
+    n_r = tl.cdiv(seqlen, BLOCK_R)
+    pid_bh = (n_main + t) // n_r
+    r0 = (n_main + t - pid_bh * n_r) * BLOCK_R
+    b = pid_bh // nheads
+    h = pid_bh % nheads
+    n_pieces = ((t + 1) * steps - 1) // piece_len - (t * steps) // piece_len + 1
+    acc = tl.zeros([BLOCK_R, COLS], dtype=tl.float32)
+    for p in range(n_pieces):
+        acc += tl.load(WS + _ws_offsets(t * max_pieces + p, col0, BLOCK_R, BLOCK_D, COLS)[0])
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    offs_d = col0 + tl.arange(0, COLS)
+    ptrs = OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_r[:, None] * stride_or + offs_d[None, :]
+    tl.store(
+        ptrs, acc.to(OUT.dtype.element_ty), mask=(offs_r[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
+    )
 
 
 # Compiled launches of the four backward kernels by launch key (see flashpage.ops.launch_cache), and
@@ -534,9 +660,12 @@ _DKDV_LAUNCHES = LaunchCache(_bwd_dkdv_kernel)
 _FUSED_LAUNCHES = LaunchCache(_bwd_fused_kernel)
 _DQ_LAUNCHES = LaunchCache(_bwd_dq_kernel)
 _PRE_SLOTS = (0, 1, 2, 3, 10, 11, 13)
-_DKDV_SLOTS = (*range(15), 36, 37, 41, 42, 51)
+# (dK/dV and dQ: then the tail split's workspaces and numbers)
+_DKDV_SLOTS = (*range(15), 36, 37, 41, 42, *range(51, 58))
 _FUSED_SLOTS = (*range(16), 37, 38, 42, 43, 44, 45, 54)
-_DQ_SLOTS = (*range(12), 27, 28, 32, 33, 42)
+_DQ_SLOTS = (*range(12), 27, 28, 32, 33, *range(42, 48))
+_SUM_LAUNCHES = LaunchCache(_tail_sum_kernel)
+_SUM_SLOTS = (0, 1, 6, 7, 8, 9, 10)
 
 
 def _launch_bwd(
@@ -555,7 +684,9 @@ def _launch_bwd(
     alibi_slopes: Tensor | None,
     seed: int,
     cfg: BwdConfig,
+    resident: int | None = None,
 ) -> None:
+    """Launch the backward kernels (``resident``: as :func:`flash_bwd`'s ``resident_programs``)."""
     d, vl = prob.head_dim, prob.varlen
     sq, sk = prob.seqlen_q, prob.seqlen_k
     cq = cu_q if cu_q is not None else q
@@ -607,11 +738,7 @@ def _launch_bwd(
     n_kv_tiles = cdiv(sk, cfg.block_n1)
     n_q_tiles = cdiv(sq, cfg.block_m2)
 
-    def heads_inner(grid: tuple[int, int]) -> tuple[int, int]:
-        """Causal launches put the heads on the grid's first (fastest-starting) axis."""
-        return (grid[1], grid[0]) if prob.heavy_last else grid
-
-    grid1 = heads_inner((n_kv_tiles, prob.batch * prob.nheads_k))
+    grid1 = (n_kv_tiles, prob.batch * prob.nheads_k)
     # split_dkdv: one launch for dV, one for dK (+ atomic or fused dQ): one accumulator per program.
     passes = ((False, True), (True, False)) if cfg.split_dkdv else ((True, True),)
     fused = cfg.dq_mode == "fused"
@@ -644,6 +771,9 @@ def _launch_bwd(
     def strides(*ts: Tensor) -> list[int]:
         return [s for t in ts for s in bsh_strides(t, vl)]
 
+    # Tail split of the dK/dV and dQ launches (not the fused one, whose two kinds of programs
+    # already share their last wave).
+    split_ok = not fused and tail_split_applies(cfg, prob)
     for do_dk, do_dv in passes:
         if fused and do_dk:
 
@@ -657,7 +787,7 @@ def _launch_bwd(
                 kwargs = {
                     "BLOCK_M1": cfg.block_m1, "BLOCK_N1": cfg.block_n1, "BLOCK_M2": cfg.block_m2,
                     "BLOCK_N2": cfg.block_n2, "USE_TMA1": use_tma1, "USE_TMA2": use_tma2,
-                    "REVERSE_M": prob.heavy_last, "DO_DK": True, "DO_DV": do_dv, "HEADS_INNER": prob.heavy_last,
+                    "REVERSE_M": prob.heavy_last, "DO_DK": True, "DO_DV": do_dv,
                     **flags,
                     "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                 }  # fmt: skip
@@ -665,56 +795,148 @@ def _launch_bwd(
 
             _FUSED_LAUNCHES.launch(
                 (*key, do_dv, int_spec(n_kv_tiles), int_spec(n_q_tiles)),
-                heads_inner((n_kv_tiles + prob.group * n_q_tiles, prob.batch * prob.nheads_k)), _FUSED_SLOTS,
+                (n_kv_tiles + prob.group * n_q_tiles, prob.batch * prob.nheads_k), _FUSED_SLOTS,
                 (q, k, v, dout, lse, delta, dk, dv, dq, alibi, cq, ck, desc_q, desc_do, desc_k, desc_v,
                  stride_lb, stride_lh, sq, sk, n_kv_tiles, n_q_tiles, seed),
                 build_fused,
             )  # fmt: skip
             return
 
-        def build_dkdv(do_dk: bool = do_dk, do_dv: bool = do_dv) -> tuple[list[Any], dict[str, Any]]:
-            flags, scalars = common_args()
-            args = [
-                q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, cq, ck, desc_q, desc_do, desc_dq,
-                *strides(q, k, v, dout, dk, dv, dq_acc), stride_lb, stride_lh, stride_ab, prob.nheads_k,
-                prob.group, sq, sk, *scalars,
-            ]  # fmt: skip
-            kwargs = {
-                "BLOCK_M": cfg.block_m1, "BLOCK_N": cfg.block_n1, "ATOMIC_DQ": atomic and do_dk,
-                "USE_TMA": use_tma1, "DO_DK": do_dk, "DO_DV": do_dv, "DQ_TMA": dq_tma,
-                "HEADS_INNER": prob.heavy_last, **flags,
-                "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-            }  # fmt: skip
-            return args, kwargs
+        def dkdv_values(split: TailSplit | None, dk_ws: Tensor, dv_ws: Tensor) -> tuple[Any, ...]:
+            return (q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, cq, ck, desc_q, desc_do, desc_dq,
+                    stride_lb, stride_lh, sq, sk, seed, dk_ws, dv_ws, *tail_split_numbers(split))  # fmt: skip
 
+        def dkdv_builder(
+            vals: tuple[Any, ...], tail: bool, do_dk: bool = do_dk, do_dv: bool = do_dv
+        ) -> Callable[[], tuple[list[Any], dict[str, Any]]]:
+            def build() -> tuple[list[Any], dict[str, Any]]:
+                flags, scalars = common_args()
+                args = [
+                    *vals[:15], *strides(q, k, v, dout, dk, dv, dq_acc), stride_lb, stride_lh, stride_ab,
+                    prob.nheads_k, prob.group, sq, sk, *scalars, *vals[20:],
+                ]  # fmt: skip
+                kwargs = {
+                    "BLOCK_M": cfg.block_m1, "BLOCK_N": cfg.block_n1, "ATOMIC_DQ": atomic and do_dk,
+                    "USE_TMA": use_tma1, "DO_DK": do_dk, "DO_DV": do_dv, "DQ_TMA": dq_tma,
+                    "TAIL": tail, **flags,
+                    "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                }  # fmt: skip
+                return args, kwargs
+
+            return build
+
+        def dkdv_placeholder(
+            split: TailSplit, dkdv_values: Any = dkdv_values, dkdv_builder: Any = dkdv_builder
+        ) -> tuple[tuple[Any, ...], Callable[[], tuple[list[Any], dict[str, Any]]]]:
+            ws = lse.new_empty(4)
+            vals = dkdv_values(split, ws, ws)
+            return vals, dkdv_builder(vals, True)
+
+        split = None
+        if split_ok:
+            split = plan_split_launch(
+                _DKDV_LAUNCHES, (*key, do_dk, do_dv, True), _DKDV_SLOTS, dkdv_placeholder,
+                n_kv_tiles * prob.batch * prob.nheads_k, prob.group * cdiv(sq, cfg.block_m1), resident, q.device,
+            )  # fmt: skip
+        if split is None:
+            vals = dkdv_values(None, lse, lse)
+            _DKDV_LAUNCHES.launch(
+                (*key, do_dk, do_dv, False), grid1, _DKDV_SLOTS, vals, dkdv_builder(vals, False)
+            )
+            continue
+        n_slots = split.tail_tiles * split.max_pieces
+        dk_ws = lse.new_empty((n_slots, cfg.block_n1, prob.block_d)) if do_dk else lse
+        dv_ws = lse.new_empty((n_slots, cfg.block_n1, prob.block_d)) if do_dv else lse
+        vals = dkdv_values(split, dk_ws, dv_ws)
         _DKDV_LAUNCHES.launch(
-            (*key, do_dk, do_dv), grid1, _DKDV_SLOTS,
-            (q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, cq, ck, desc_q, desc_do, desc_dq,
-             stride_lb, stride_lh, sq, sk, seed),
-            build_dkdv,
-        )  # fmt: skip
+            (*key, do_dk, do_dv, True),
+            (split.n_main + split.n_tail,),
+            _DKDV_SLOTS,
+            vals,
+            dkdv_builder(vals, True),
+        )
+        for ws, grad in ((dk_ws, dk), (dv_ws, dv)):
+            if ws is not lse:
+                _sum_tail(split, ws, grad, prob.nheads_k, sk, cfg.block_n1, prob)
     if atomic:
         if dq_acc is not dq:
             dq.copy_(dq_acc)
         return
 
-    def build_dq() -> tuple[list[Any], dict[str, Any]]:
-        flags, scalars = common_args()
-        args = [
-            q, k, v, dout, lse, delta, dq, alibi, cq, ck, desc_k, desc_v, *strides(q, k, v, dout, dq),
-            stride_lb, stride_lh, stride_ab, prob.nheads, prob.group, sq, sk, *scalars,
-        ]  # fmt: skip
-        kwargs = {
-            "BLOCK_M": cfg.block_m2, "BLOCK_N": cfg.block_n2, "USE_TMA": use_tma2,
-            "REVERSE_M": prob.heavy_last, **flags, "num_warps": cfg.num_warps2, "num_stages": cfg.num_stages2,
-        }  # fmt: skip
-        return args, kwargs
+    def dq_values(split: TailSplit | None, dq_ws: Tensor) -> tuple[Any, ...]:
+        return (q, k, v, dout, lse, delta, dq, alibi, cq, ck, desc_k, desc_v, stride_lb, stride_lh, sq, sk, seed,
+                dq_ws, *tail_split_numbers(split))  # fmt: skip
 
+    def dq_builder(vals: tuple[Any, ...], tail: bool) -> Callable[[], tuple[list[Any], dict[str, Any]]]:
+        def build() -> tuple[list[Any], dict[str, Any]]:
+            flags, scalars = common_args()
+            args = [
+                *vals[:12], *strides(q, k, v, dout, dq), stride_lb, stride_lh, stride_ab, prob.nheads, prob.group,
+                sq, sk, *scalars, *vals[17:],
+            ]  # fmt: skip
+            kwargs = {
+                "BLOCK_M": cfg.block_m2, "BLOCK_N": cfg.block_n2, "USE_TMA": use_tma2, "REVERSE_M": prob.heavy_last,
+                "TAIL": tail, **flags, "num_warps": cfg.num_warps2, "num_stages": cfg.num_stages2,
+            }  # fmt: skip
+            return args, kwargs
+
+        return build
+
+    def dq_placeholder(
+        split: TailSplit,
+    ) -> tuple[tuple[Any, ...], Callable[[], tuple[list[Any], dict[str, Any]]]]:
+        vals = dq_values(split, lse.new_empty(4))
+        return vals, dq_builder(vals, True)
+
+    n_q2 = cdiv(sq, cfg.block_m2)
+    split = None
+    if split_ok:
+        split = plan_split_launch(
+            _DQ_LAUNCHES, (*key, True), _DQ_SLOTS, dq_placeholder, n_q2 * prob.batch * prob.nheads,
+            cdiv(sk, cfg.block_n2), resident, q.device,
+        )  # fmt: skip
+    if split is not None:
+        dq_ws = lse.new_empty((split.tail_tiles * split.max_pieces, cfg.block_m2, prob.block_d))
+        vals = dq_values(split, dq_ws)
+        _DQ_LAUNCHES.launch(
+            (*key, True), (split.n_main + split.n_tail,), _DQ_SLOTS, vals, dq_builder(vals, True)
+        )
+        _sum_tail(split, dq_ws, dq, prob.nheads, sq, cfg.block_m2, prob)
+        return
+
+    vals = dq_values(None, lse)
     _DQ_LAUNCHES.launch(
-        key, heads_inner((cdiv(sq, cfg.block_m2), prob.batch * prob.nheads)), _DQ_SLOTS,
-        (q, k, v, dout, lse, delta, dq, alibi, cq, ck, desc_k, desc_v, stride_lb, stride_lh, sq, sk, seed),
-        build_dq,
-    )  # fmt: skip
+        (*key, False), (n_q2, prob.batch * prob.nheads), _DQ_SLOTS, vals, dq_builder(vals, False)
+    )
+
+
+def _sum_tail(
+    split: TailSplit, ws: Tensor, grad: Tensor, nheads: int, seqlen: int, rows: int, prob: AttnProblem
+) -> None:
+    """``grad``'s split tiles (``rows`` rows each) = the sums of their pieces' partials in ``ws``."""
+    cols = min(64, prob.block_d)
+    sb, sr, sh = bsh_strides(grad, False)
+
+    def build() -> tuple[list[Any], dict[str, Any]]:
+        args = [
+            ws,
+            grad,
+            sb,
+            sr,
+            sh,
+            nheads,
+            seqlen,
+            split.n_main,
+            split.steps,
+            split.piece_len,
+            split.max_pieces,
+        ]
+        return args, {"HEAD_DIM": prob.head_dim, "BLOCK_D": prob.block_d, "BLOCK_R": rows, "COLS": cols,
+                      "num_warps": 4, "num_stages": 1}  # fmt: skip
+
+    key = (nheads, rows, prob.head_dim, grad.dtype, grad.device.index, grad.stride(), aligned(ws, grad))
+    values = (ws, grad, seqlen, split.n_main, split.steps, split.piece_len, split.max_pieces)
+    _SUM_LAUNCHES.launch(key, (split.tail_tiles, prob.block_d // cols), _SUM_SLOTS, values, build)
 
 
 def flash_bwd(
@@ -740,6 +962,7 @@ def flash_bwd(
     config: BwdConfig | None = None,
     validate: bool = True,
     problem: AttnProblem | None = None,
+    resident_programs: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """FlashAttention backward: gradients of ``out = attention(q, k, v)`` given ``dout``.
 
@@ -751,6 +974,8 @@ def flash_bwd(
         config: tile configuration; default: the tuned table / autotuner.
         problem: the :func:`check_attention_inputs` result for exactly these q/k/v arguments, when
             the caller has already validated them (the eager API: skips a second check).
+        resident_programs: programs the GPU runs at once, for the tail split of the dK/dV and dQ
+            launches (``flash_fwd.TailSplit``; default as in :func:`flash_fwd`).
 
     Returns:
         ``dq`` like q, ``dk``/``dv`` like k/v (GQA: summed over each KV head's query heads).
@@ -778,7 +1003,7 @@ def flash_bwd(
             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
             softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, deterministic=deterministic,
-            config=config, validate=False,
+            config=config, validate=False, resident_programs=resident_programs,
         )  # fmt: skip
         return tuple(g.to(q.dtype) for g in grads)  # type: ignore[return-value]
     if dout.stride(-1) != 1:
@@ -801,12 +1026,12 @@ def flash_bwd(
             config = autotune(  # type: ignore[assignment]
                 ("bwd", deterministic, *problem_key(prob, q, alibi_slopes is not None)),
                 cands,
-                lambda cfg: _launch_bwd(*args, cfg),  # type: ignore[arg-type]
+                lambda cfg: _launch_bwd(*args, cfg, resident_programs),  # type: ignore[arg-type]
             )
         else:
             config = bwd_config(prob.head_dim, q.dtype, prob.causal, q.device, prob.seqlen_k)
     assert config is not None
     if deterministic and config.dq_mode not in ("separate", "fused"):
         config = replace(config, dq_mode="separate")
-    _launch_bwd(*args, config)
+    _launch_bwd(*args, config, resident_programs)
     return dq, dk, dv

@@ -110,6 +110,9 @@ class BwdConfig:
             accumulator per program instead of two, one more Q K^T): at d=256 what lets the score
             tiles have the 16 x num_warps rows that keep Triton from computing them once per
             warpgroup (64-row tiles with 4 warps, 128-row tiles with 8).
+        split_tail: as :attr:`FwdConfig.split_tail`, for the dK/dV and dQ launches (not ``"fused"``):
+            the last partial wave's KV tiles are split over their query tiles, its query tiles over
+            their key tiles, and float32 partials are summed by a small kernel.
 
     Tiles of fewer than ``16 * num_warps`` rows (``block_n1`` in dK/dV, ``block_m2`` in dQ) are legal
     but slow on Hopper: the score tile feeds another dot, so Triton spreads all warps along its rows
@@ -127,6 +130,7 @@ class BwdConfig:
     dq_mode: str = "separate"
     use_tma: bool = False
     split_dkdv: bool = False
+    split_tail: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m1", "block_n1", "block_m2", "block_n2"):
@@ -154,6 +158,7 @@ class BwdConfig:
             f"kv{self.block_m1}x{self.block_n1}w{self.num_warps}s{self.num_stages}-"
             f"q{self.block_m2}x{self.block_n2}w{self.num_warps2}s{self.num_stages2}-"
             f"{self.dq_mode}{'-tma' if self.use_tma else ''}{'-split' if self.split_dkdv else ''}"
+            f"{'' if self.split_tail else '-whole'}"
         )
 
 
@@ -198,7 +203,9 @@ HOPPER_BWD: dict[tuple[int, bool, int], BwdConfig] = {
     # d=256 (sweep of 2026-12-03, same H200 run as SDPA-flash: 255-308 TFLOP/s non-causal, 195-319
     # causal, 1.12-1.28x SDPA-flash at 1k-16k): dK and dV in two launches so one float32 accumulator
     # fits, with score tiles of 64 rows per 4 warps / 128 per 8 warps (see bwd_candidates).
-    (256, False, ANY_SEQLEN): BwdConfig(64, 64, 128, 32, 4, 2, 8, 3, "separate", True, True),
+    # No tail split: its tail variants of these kernels spill (offline sm_90 compile, triton 3.6: the
+    # dK pass 520 bytes instead of 164, the dV pass 60 instead of none).
+    (256, False, ANY_SEQLEN): BwdConfig(64, 64, 128, 32, 4, 2, 8, 3, "separate", True, True, False),
     # causal: dQ fused into the dK pass (same evening sweep): 335.1 / 204.2 at 16k / 1k vs 332.0 / 194.6.
     (256, True, ANY_SEQLEN): BwdConfig(32, 128, 128, 32, 8, 3, 8, 3, "fused", True, True),
 }

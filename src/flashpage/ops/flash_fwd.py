@@ -8,15 +8,16 @@ nheads_k, d)`` with ``lse (batch, nheads, seqlen_q)``; or packed varlen ``q (tot
 total_q)``. Query head ``h`` reads KV head ``h // (nheads // nheads_k)``. Only the last dim must be
 contiguous; all other strides are passed to the kernel.
 
-Kernel structure (grid ``(cdiv(max_seqlen_q, BLOCK_M), batch * nheads)``, causal ``(batch * nheads,
-cdiv(max_seqlen_q, BLOCK_M))``): a program owns ``BLOCK_M`` query rows of one (sequence, head). Scores are computed in base 2: ``log2(e) * softmax_scale`` is
+Kernel structure (grid ``(cdiv(max_seqlen_q, BLOCK_M), batch * nheads)``): a program owns ``BLOCK_M``
+query rows of one (sequence, head). Scores are computed in base 2: ``log2(e) * softmax_scale`` is
 folded into one multiply (or into the softcap's output scale), so the online softmax uses ``exp2``.
 The visible key range of the tile (bottom-right aligned causal / sliding window) is split on the host
 side of the loop into three parts: ``[lo, fs)`` tiles crossing the window's left edge (masked),
 ``[fs, fe)`` tiles every row sees entirely (the hot loop: no mask arithmetic, no bounds checks) and
 ``[fe, hi)`` the diagonal / right-window / sequence-end tiles (masked). Tiles wholly outside the
 window are never visited. With causal masking the programs start with the heaviest (last) row tiles
-of all heads and end with the lightest, so no long row tile starts late. Padded unmasked problems
+of each head (not of all heads at once: that order read 3-36% slower on the H200, 2026-12-03, the
+heads' K/V no longer shared in L2 by the programs running together). Padded unmasked problems
 whose row tiles end in a partial wave split that wave's key ranges over all SMs (:class:`TailSplit`).
 
 Masked rows: a query row with no visible key keeps ``m = -inf`` and ``l = 0``; it outputs zeros and
@@ -38,7 +39,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,7 @@ from torch import Tensor
 
 from flashpage.ops.backend import interpreter_enabled
 from flashpage.ops.flash_configs import (
+    BwdConfig,
     FwdConfig,
     autotune,
     autotune_enabled,
@@ -407,16 +409,11 @@ def _attn_fwd_kernel(
                 tl.store(ML_WS + l_offs, l_i)
             return
         pid_m, b, h = _tile_coords(pid, n_m, nheads)
-    elif REVERSE_M:
-        # Causal: grid (batch * nheads, row tiles), the heaviest row tiles of every head first, so the
-        # last programs to start are the lightest ones of all (longest-first over the whole grid).
-        pid_bh = tl.program_id(0)
-        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-        b = pid_bh // nheads
-        h = pid_bh % nheads
     else:
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
+        if REVERSE_M:  # causal: heaviest row tiles first
+            pid_m = tl.num_programs(0) - 1 - pid_m
         b = pid_bh // nheads
         h = pid_bh % nheads
     q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
@@ -824,52 +821,88 @@ def fwd_uses_tma(cfg: FwdConfig, prob: AttnProblem, q: Tensor, k: Tensor, v: Ten
 
 @dataclass(frozen=True)
 class TailSplit:
-    """Stream-K split of a non-causal forward's last, partial wave of row tiles.
+    """Stream-K split of the last, partial wave of a launch's equal tiles.
 
-    With one row tile per program and ``P`` programs resident at once, ``n_tiles`` tiles take
-    ``ceil(n_tiles / P)`` waves of equal length; the last one is partial (d=128 at 16k tokens on
-    the H200: 2048 tiles = 15.5 waves of 132, run in 16). The split runs the ``n_main`` tiles of the
-    full waves whole and deals the key tiles of the remaining ones, ``tail_work`` = tiles x key
-    tiles in row-tile order, out in ``n_tail`` pieces of ``piece_len`` (the last one shorter), so
-    the tail takes ``piece_len / kv_tiles`` of a wave. Each piece leaves an unnormalised partial
-    state per row tile it touches in a workspace slot (``max_pieces`` slots per tile);
-    ``_fwd_tail_combine_kernel`` merges them in a fixed order.
+    With one tile per program and ``P`` programs resident at once, ``n_tiles`` tiles of equal work
+    take ``ceil(n_tiles / P)`` waves; the last one is partial (d=128 forward at 16k tokens on the
+    H200: 2048 row tiles = 15.5 waves of 132, run in 16). The split runs the ``n_main`` tiles of the
+    full waves whole and deals the ``steps`` steps of each remaining tile (forward: its key tiles;
+    backward dK/dV: its (query head, query tile) pairs; dQ: its key tiles), ``tail_work`` in tile
+    order, out in ``n_tail`` pieces of ``piece_len`` steps (the last one shorter): the tail takes
+    ``piece_len / steps`` of a wave. Each piece leaves a float32 partial per tile it touches in a
+    workspace slot (``max_pieces`` slots per tile), which a small kernel merges in a fixed order.
     """
 
     n_main: int
     n_tail: int
     tail_tiles: int
-    kv_tiles: int
+    steps: int
     piece_len: int
     max_pieces: int
 
     @property
     def tail_work(self) -> int:
-        return self.tail_tiles * self.kv_tiles
+        return self.tail_tiles * self.steps
 
 
-def plan_tail_split(n_tiles: int, kv_tiles: int, resident: int, min_piece: int = 2) -> TailSplit | None:
-    """The :class:`TailSplit` of ``n_tiles`` row tiles of ``kv_tiles`` key tiles each with
-    ``resident`` programs at once, or ``None`` when it would not shorten the run: no partial wave,
-    or pieces (at least ``min_piece`` key tiles) longer than 3/4 of a row tile's."""
+def plan_tail_split(n_tiles: int, steps: int, resident: int, min_piece: int = 2) -> TailSplit | None:
+    """The :class:`TailSplit` of ``n_tiles`` tiles of ``steps`` equal steps each with ``resident``
+    programs at once, or ``None`` when it would not shorten the run: no partial wave, or pieces (at
+    least ``min_piece`` steps) longer than 3/4 of a tile."""
     if resident < 1 or n_tiles < 1:
         return None
     tail_tiles = n_tiles % resident
     if tail_tiles == 0:
         return None
-    work = tail_tiles * kv_tiles
+    work = tail_tiles * steps
     n_tail = min(resident, work // max(1, min_piece))
     if n_tail <= tail_tiles:
         return None
     piece_len = cdiv(work, n_tail)
-    if 4 * piece_len > 3 * kv_tiles:
+    if 4 * piece_len > 3 * steps:
         return None
-    # A row tile's kv_tiles consecutive steps meet at most this many pieces.
-    max_pieces = (kv_tiles + piece_len - 2) // piece_len + 1
-    return TailSplit(n_tiles - tail_tiles, cdiv(work, piece_len), tail_tiles, kv_tiles, piece_len, max_pieces)
+    # A tile's consecutive steps meet at most this many pieces.
+    max_pieces = (steps + piece_len - 2) // piece_len + 1
+    return TailSplit(n_tiles - tail_tiles, cdiv(work, piece_len), tail_tiles, steps, piece_len, max_pieces)
 
 
-def tail_split_applies(cfg: FwdConfig, prob: AttnProblem) -> bool:
+_PLACEHOLDER_SPLIT = TailSplit(0, 1, 1, 2, 1, 2)  # numbers for the occupancy compile (not specialised on)
+
+
+def plan_split_launch(
+    cache: LaunchCache,
+    key: Hashable,
+    slots: tuple[int, ...],
+    placeholder: Callable[
+        [TailSplit], tuple[tuple[Any, ...], Callable[[], tuple[list[Any], dict[str, Any]]]]
+    ],
+    n_tiles: int,
+    steps: int,
+    resident: int | None,
+    device: torch.device,
+) -> TailSplit | None:
+    """The :class:`TailSplit` of a tail-capable launch (``key``: its tail variant in ``cache``;
+    ``placeholder(split)``: its values and build function for ``split``), or None. ``resident=None``
+    on CUDA: the SM count when one program of the compiled tail variant fills an SM (with several
+    per SM, an SM left with fewer programs in the last wave runs them faster, and the split's extra
+    loads, partial stores and combine launch cost more than the wave saves: H200, d=128 at 1k
+    tokens with 64 x 64 tiles, 3 programs per SM: 2.5% slower split), else no split."""
+    if resident is None and device.type == "cuda":
+        vals, build = placeholder(_PLACEHOLDER_SPLIT)
+        kernel = cache.compiled(key, slots, vals, build)
+        if kernel is not None and programs_per_sm(kernel, device) == 1:
+            resident = torch.cuda.get_device_properties(device).multi_processor_count
+    return plan_tail_split(n_tiles, steps, resident) if resident else None
+
+
+def tail_split_numbers(split: TailSplit | None) -> tuple[int, int, int, int]:
+    """The tail kernels' ``(n_main, tail_work, piece_len, max_pieces)`` arguments (no split: unused)."""
+    if split is None:
+        return (0, 0, 1, 1)
+    return (split.n_main, split.tail_work, split.piece_len, split.max_pieces)
+
+
+def tail_split_applies(cfg: FwdConfig | BwdConfig, prob: AttnProblem) -> bool:
     """Whether the forward of ``prob`` may take a :class:`TailSplit`: every row tile must do the
     same work (padded batch, no causal / window mask)."""
     return cfg.split_tail and not prob.varlen and prob.window_left < 0 and prob.window_right < 0
@@ -924,13 +957,8 @@ def _launch_fwd(
     )  # fmt: skip
 
     def values(split: TailSplit | None, acc_ws: Tensor, ml_ws: Tensor) -> tuple[Any, ...]:
-        nums = (
-            (0, 0, 1, 1)
-            if split is None
-            else (split.n_main, split.tail_work, split.piece_len, split.max_pieces)
-        )
         return (q, k, v, out, lse, alibi, cq, ck, desc_q, desc_k, desc_v, acc_ws, ml_ws, stride_lb, stride_lh,
-                sq, sk, seed, *nums)  # fmt: skip
+                sq, sk, seed, *tail_split_numbers(split))  # fmt: skip
 
     def builder(vals: tuple[Any, ...], tail: bool) -> Callable[[], tuple[list[Any], dict[str, Any]]]:
         def build() -> tuple[list[Any], dict[str, Any]]:
@@ -956,25 +984,24 @@ def _launch_fwd(
 
         return build
 
+    def placeholder(
+        split: TailSplit,
+    ) -> tuple[tuple[Any, ...], Callable[[], tuple[list[Any], dict[str, Any]]]]:
+        ws = lse.new_empty(4)
+        vals = values(split, ws, ws)
+        return vals, builder(vals, True)
+
     split = None
     if tail_split_applies(cfg, prob):
-        if resident is None and q.device.type == "cuda":
-            # The tail variant's occupancy (its compile, once per key, needs only placeholder numbers).
-            ws = lse.new_empty(4)
-            vals = values(TailSplit(0, 1, 1, 2, 1, 2), ws, ws)
-            kernel = _FWD_LAUNCHES.compiled((*key, True), _FWD_SLOTS, vals, builder(vals, True))
-            # Only where one program fills an SM: with several per SM, an SM left with fewer
-            # programs in the last wave runs them faster, and the split's extra Q loads, partial
-            # stores and combine launch cost more than the wave saves (H200, d=128 at 1k tokens with
-            # 64 x 64 tiles, 3 programs per SM: 2.5% slower split).
-            if kernel is not None and programs_per_sm(kernel, q.device) == 1:
-                resident = torch.cuda.get_device_properties(q.device).multi_processor_count
-        if resident:
-            split = plan_tail_split(n_m * prob.batch * prob.nheads, cdiv(sk, cfg.block_n), resident)
+        split = plan_split_launch(
+            _FWD_LAUNCHES, (*key, True), _FWD_SLOTS, placeholder, n_m * prob.batch * prob.nheads,
+            cdiv(sk, cfg.block_n), resident, q.device,
+        )  # fmt: skip
     if split is None:
         vals = values(None, lse, lse)
-        grid = (prob.batch * prob.nheads, n_m) if prob.heavy_last else (n_m, prob.batch * prob.nheads)
-        _FWD_LAUNCHES.launch((*key, False), grid, _FWD_SLOTS, vals, builder(vals, False))
+        _FWD_LAUNCHES.launch(
+            (*key, False), (n_m, prob.batch * prob.nheads), _FWD_SLOTS, vals, builder(vals, False)
+        )
         return
     slots = split.tail_tiles * split.max_pieces
     acc_ws = torch.empty((slots, cfg.block_m, prob.block_d), dtype=torch.float32, device=q.device)
@@ -982,7 +1009,7 @@ def _launch_fwd(
     vals = values(split, acc_ws, ml_ws)
     _FWD_LAUNCHES.launch((*key, True), (split.n_main + split.n_tail,), _FWD_SLOTS, vals, builder(vals, True))
     ob, om, oh = bsh_strides(out, False)
-    cvals = (out, lse, acc_ws, ml_ws, stride_lb, stride_lh, sq, split.n_main, split.kv_tiles, split.piece_len,
+    cvals = (out, lse, acc_ws, ml_ws, stride_lb, stride_lh, sq, split.n_main, split.steps, split.piece_len,
              split.max_pieces)  # fmt: skip
 
     # 64-column slices: <= 64 accumulator elements per thread (a 128 x 256 tile in one program spills).
@@ -990,7 +1017,7 @@ def _launch_fwd(
 
     def build_combine() -> tuple[list[Any], dict[str, Any]]:
         args = [out, lse, acc_ws, ml_ws, ob, om, oh, stride_lb, stride_lh, prob.nheads, sq, split.n_main,
-                split.kv_tiles, split.piece_len, split.max_pieces, 1.0 / (1.0 - prob.dropout_p)]  # fmt: skip
+                split.steps, split.piece_len, split.max_pieces, 1.0 / (1.0 - prob.dropout_p)]  # fmt: skip
         kwargs = {"HEAD_DIM": d, "BLOCK_D": prob.block_d, "BLOCK_M": cfg.block_m, "DROPOUT": prob.dropout_p > 0,
                   "COLS": cols, "num_warps": 4, "num_stages": 1}  # fmt: skip
         return args, kwargs
