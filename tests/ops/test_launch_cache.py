@@ -395,3 +395,13 @@ def test_programs_per_sm_occupancy_rules(monkeypatch: pytest.MonkeyPatch) -> Non
     assert programs_per_sm(kernel(4, 0, 64), dev) == 8  # registers: 32 warps
     assert programs_per_sm(kernel(4, 0, None), dev) == 16  # threads only
     assert programs_per_sm(kernel(16, 200000, 255), dev) == 1  # never below one
+
+
+def test_remembered_computes_once_per_key() -> None:
+    cache = LaunchCache(_FakeJit(_add_one_kernel))
+    calls: list[int] = []
+    assert cache.remembered("a", lambda: calls.append(1) or 7) == 7
+    assert cache.remembered("a", lambda: calls.append(2) or 8) == 7
+    assert cache.remembered("b", lambda: 0) == 0 and calls == [1]
+    cache.clear()
+    assert cache.remembered("a", lambda: 9) == 9

@@ -888,10 +888,15 @@ def plan_split_launch(
     loads, partial stores and combine launch cost more than the wave saves: H200, d=128 at 1k
     tokens with 64 x 64 tiles, 3 programs per SM: 2.5% slower split), else no split."""
     if resident is None and device.type == "cuda":
-        vals, build = placeholder(_PLACEHOLDER_SPLIT)
-        kernel = cache.compiled(key, slots, vals, build)
-        if kernel is not None and programs_per_sm(kernel, device) == 1:
-            resident = torch.cuda.get_device_properties(device).multi_processor_count
+
+        def sms_if_one_per_sm() -> int:
+            vals, build = placeholder(_PLACEHOLDER_SPLIT)
+            kernel = cache.compiled(key, slots, vals, build)
+            if kernel is None or programs_per_sm(kernel, device) != 1:
+                return 0
+            return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+        resident = cache.remembered(key, sms_if_one_per_sm)  # once per launch key
     return plan_tail_split(n_tiles, steps, resident) if resident else None
 
 

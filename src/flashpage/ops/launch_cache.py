@@ -95,6 +95,7 @@ class LaunchCache:
         self.fn = fn
         self.max_plans = max_plans
         self._plans: dict[Hashable, _Plan] = {}
+        self._memo: dict[Hashable, Any] = {}
         params = list(inspect.signature(fn.fn).parameters.values()) if hasattr(fn, "fn") else []
         self._param_names = [p.name for p in params]
         self._defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
@@ -104,6 +105,16 @@ class LaunchCache:
 
     def clear(self) -> None:
         self._plans.clear()
+        self._memo.clear()
+
+    def remembered(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        """``compute()``, evaluated once per ``key`` (a per-launch-key decision such as a grid size
+        taken from the compiled kernel: a dict lookup on later calls)."""
+        if key not in self._memo:
+            if len(self._memo) >= self.max_plans:
+                self._memo.clear()
+            self._memo[key] = compute()
+        return self._memo[key]
 
     def launch(
         self,
