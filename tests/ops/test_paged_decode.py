@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import Tensor
 
 from flashpage.ops.cache_write import fp8_kv_scales, reshape_and_cache
-from flashpage.ops.paged_decode import PagedAttnConfig, choose_num_splits, default_num_sms, paged_decode
+from flashpage.ops.paged_decode import (
+    PagedAttnConfig,
+    choose_num_splits,
+    default_num_sms,
+    paged_decode,
+    wide_offsets,
+)
 from flashpage.ops.paged_plan import plan_decode, run_decode
 from flashpage.ops.reference import paged_attention_ref
 from tests.tolerance import assert_close_to_ref
@@ -155,6 +162,47 @@ def test_kernel_configs_agree() -> None:
         for splits in (1, 2, 3):
             out = paged_decode(q, kc, vc, bt, sl, num_splits=splits, config=cfg)
             assert_close_to_ref(out, ref[:, 0], same[:, 0])
+
+
+def test_narrow_offsets_equal_wide() -> None:
+    """32-bit KV-row offsets (the default where the caches allow) give bit-identical results to
+    64-bit ones, gathered pages and block-sized tiles, split or not."""
+    lens = [100, 17, 64]
+    kc, vc, bt, sl = make_paged_cache(lens, 16, 2, 32)
+    q = torch.randn(3, 8, 32)
+    for cfg in (
+        PagedAttnConfig(),
+        PagedAttnConfig(block_n=16),
+        PagedAttnConfig(block_n=32, prefetch_table=True),
+    ):
+        assert cfg.narrow_offsets and not wide_offsets(cfg, kc, vc, paged=True)
+        wide = replace(cfg, narrow_offsets=False)
+        assert wide_offsets(wide, kc, vc, paged=True)
+        for splits in (1, 3):
+            narrow_out = paged_decode(q, kc, vc, bt, sl, num_splits=splits, config=cfg)
+            wide_out = paged_decode(q, kc, vc, bt, sl, num_splits=splits, config=wide)
+            assert torch.equal(narrow_out, wide_out)
+
+
+def test_wide_offsets_rule() -> None:
+    """64-bit offsets exactly when an element lies 2**31 or more past the cache's base (shapes and
+    strides only: meta tensors stand in for caches too large to allocate here)."""
+    cfg = PagedAttnConfig()
+
+    def cache(num_blocks: int, strides: tuple[int, ...] | None = None) -> Tensor:
+        t = torch.empty(num_blocks, 16, 8, 128, device="meta")
+        return t if strides is None else t.as_strided(t.shape, strides)
+
+    # 16 * 8 * 128 = 2**14 elements per block: block 2**17 starts at 2**31.
+    small, edge, big = cache(2**17), cache(2**17 + 1), cache(2**20)
+    assert not wide_offsets(cfg, small, small, paged=True)  # last element 2**31 - 1
+    assert wide_offsets(cfg, edge, small, paged=True)
+    assert wide_offsets(cfg, small, big, paged=True)  # either cache decides
+    assert wide_offsets(cfg, small, small, paged=False)  # contiguous caches stay 64-bit
+    assert wide_offsets(PagedAttnConfig(narrow_offsets=False), small, small, paged=True)
+    # Strides, not the element count: a head-major view of a too-large storage.
+    spread = cache(4, strides=(16 * 128, 128, 2**29, 1))
+    assert wide_offsets(cfg, spread, spread, paged=True)
 
 
 def test_head_major_cache_storage() -> None:

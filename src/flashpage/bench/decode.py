@@ -225,9 +225,10 @@ def _variant_configs(fp8: bool) -> list[Any]:
     if not fp8:
         cfgs += [PagedAttnConfig(block_n=bn, num_warps=w, num_stages=s, prefetch_table=True)
                  for bn, w, s in ((64, 4, 3), (64, 4, 4), (32, 4, 4), (128, 4, 3), (64, 8, 3))]  # fmt: skip
-    # The default tiles with each latency knob (fused split combine, early V load, register cap).
+    # The default tiles with each latency knob (fused split combine, early V load, register cap) and
+    # with 64-bit KV-row offsets.
     d0 = cfgs[0] if fp8 else PagedAttnConfig()
-    knobs = [{"fused_combine": True}, {"early_v": True}, {"maxnreg": 128}]
+    knobs = [{"fused_combine": True}, {"early_v": True}, {"maxnreg": 128}, {"narrow_offsets": False}]
     if fp8:
         knobs = knobs[:2]
     return cfgs + [replace(d0, **kw) for kw in knobs]
