@@ -15,7 +15,10 @@ not. Implementations measured in the same process:
   ``--tutorial-all``; the faster of its two configs, named in ``config``).
 
 FLOPs: forward ``4 * batch * nheads * seqlen^2 * d`` (halved when causal), backward 2.5x the forward.
-Backward time = ``torch.autograd.grad`` of a retained graph (the backward kernels only).
+Backward time = ``torch.autograd.grad`` of a retained graph (the backward kernels only). Per shape,
+every implementation is checked first, then timed in ``--rounds`` round-robin rounds (default 2: all
+implementations once, then all again), so the GPU's clock drift under its power cap and temperature
+reaches each alike; a row's ``ms`` is its fastest round, ``ms_rounds`` lists every round.
 ``frac_of_roofline`` = TFLOP/s over the bf16 matmul peak measured in the same run (8192^3);
 ``ratio_vs_sdpa_flash`` = TFLOP/s over SDPA-flash's on the same row. Every implementation's output and
 gradients are compared with SDPA-flash's before timing (``max_err``; a failing flashpage check makes
@@ -95,6 +98,7 @@ class Settings:
     budget_s: float
     smoke: bool
     tutorial_dims: tuple[int, ...] = ()
+    rounds: int = 2
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -119,7 +123,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     # 100 ms of warm-up per timing: a row timed right after a compile (GPU idle, clocks down) came out
     # 20-40% slow at 1k tokens with 25 ms (H200, 2026-12-03: kernel_ms, timed later, did not).
     tutorial_dims = dims if args.tutorial_all or args.smoke else tuple(d for d in dims if d == 128)
-    return Settings(shapes, 100, 100, flex_dims, budget, args.smoke, tutorial_dims)
+    rounds = max(1, args.rounds if args.rounds is not None else (1 if args.smoke else 2))
+    return Settings(shapes, 100, 100, flex_dims, budget, args.smoke, tutorial_dims, rounds)
 
 
 def _timer(device: torch.device, warmup_ms: int, rep_ms: int) -> Callable[[Callable[[], Any]], float]:
@@ -240,18 +245,9 @@ def _impl_grads(impl: Impl, out: Tensor, do: Tensor) -> tuple[Tensor, ...]:
     return tuple(g.transpose(1, 2) for g in gs) if impl.bhsd_inputs else gs
 
 
-def measure_impl(
-    impl: Impl,
-    shape: Shape,
-    ref: tuple[Tensor, ...],
-    do: Tensor,
-    time_ms: Callable[[Callable[[], Any]], float],
-) -> tuple[list[dict[str, Any]], bool]:
-    """Check ``impl`` against the reference ``(out, dq, dk, dv)`` (bshd), then time fwd and bwd.
-
-    Returns the rows (fwd, and bwd unless ``impl.backward`` is False) and whether the check passed
-    (out rel. err <= 2e-2, grads <= 5e-2)."""
-    rows: list[dict[str, Any]] = []
+def check_impl(impl: Impl, ref: tuple[Tensor, ...], do: Tensor) -> tuple[float, float]:
+    """``impl``'s relative errors against the reference ``(out, dq, dk, dv)`` (bshd): (output,
+    worst gradient; 0 without a backward)."""
     with impl.ctx():
         out = impl.fwd()
         err_o = _rel(out, ref[0])
@@ -259,19 +255,69 @@ def measure_impl(
         if impl.backward:
             grads = _impl_grads(impl, out, do)
             err_g = max(_rel(g, r) for g, r in zip(grads, ref[1:]))
-            del grads
-        ok = err_o <= 2e-2 and err_g <= 5e-2
-        timed = [("fwd", time_ms(impl.fwd), shape.fwd_flops, err_o)]
+    return err_o, err_g
+
+
+def time_impl(impl: Impl, do: Tensor, time_ms: Callable[[Callable[[], Any]], float]) -> dict[str, float]:
+    """Milliseconds of ``impl``'s forward and (unless ``impl.backward`` is False) backward."""
+    with impl.ctx():
+        times = {"fwd": time_ms(impl.fwd)}
         if impl.backward:
             out = impl.fwd()
-            timed.append(("bwd", time_ms(lambda: _grads(out, impl.inputs, do)), 2.5 * shape.fwd_flops, err_g))
-    for pas, ms, flops, err in timed:
+            times["bwd"] = time_ms(lambda: _grads(out, impl.inputs, do))
+    return times
+
+
+def impl_key(impl: Impl) -> str:
+    """An implementation's identity within a shape (the tutorial baseline runs several configs)."""
+    return f"{impl.name}:{impl.note}"
+
+
+def time_round_robin(
+    impls: list[Impl],
+    do: Tensor,
+    time_ms: Callable[[Callable[[], Any]], float],
+    rounds: int,
+    on_error: Callable[[Impl, Exception], None],
+) -> dict[str, list[dict[str, float]]]:
+    """Time ``impls`` in ``rounds`` rounds, each round every implementation once in list order
+    (:func:`time_impl`); returns each one's per-round times by :func:`impl_key`. An implementation
+    that raises is reported to ``on_error`` and left out of the result and of later rounds."""
+    times: dict[str, list[dict[str, float]]] = {}
+    dropped: set[str] = set()
+    for _ in range(rounds):
+        for impl in impls:
+            key = impl_key(impl)
+            if key in dropped:
+                continue
+            try:
+                times.setdefault(key, []).append(time_impl(impl, do, time_ms))
+            except Exception as e:
+                dropped.add(key)
+                times.pop(key, None)
+                on_error(impl, e)
+    return times
+
+
+def impl_rows(
+    impl: Impl, shape: Shape, errs: tuple[float, float], rounds: list[dict[str, float]]
+) -> tuple[list[dict[str, Any]], bool]:
+    """Rows of ``impl`` from its check errors and its timing rounds: ``ms`` is the fastest round
+    (every implementation gets the same rule), ``ms_rounds`` all of them in order."""
+    err_o, err_g = errs
+    ok = err_o <= 2e-2 and err_g <= 5e-2
+    rows: list[dict[str, Any]] = []
+    for pas, flops, err in (("fwd", shape.fwd_flops, err_o), ("bwd", 2.5 * shape.fwd_flops, err_g)):
+        if pas not in rounds[0]:
+            continue
+        ms_rounds = [r[pas] for r in rounds]
+        ms = min(ms_rounds)
         rows.append(
             {
                 "bench": "attention", "impl": impl.name, "dtype": "bfloat16", "batch": shape.batch,
                 "seqlen": shape.seqlen, "nheads": shape.nheads, "nheads_k": shape.nheads, "d": shape.d,
-                "causal": shape.causal, "pass": pas, "ms": ms, "tflops": flops / ms / 1e9,
-                "max_err": err, "check_ok": ok,
+                "causal": shape.causal, "pass": pas, "ms": ms, "ms_rounds": ms_rounds,
+                "tflops": flops / ms / 1e9, "max_err": err, "check_ok": ok,
             }
         )  # fmt: skip
         if impl.note:
@@ -329,16 +375,30 @@ def bench_shape(
             notes.append(f"flex skipped at d={shape.d} s={shape.seqlen} causal={shape.causal}: time budget")
     rows: list[dict[str, Any]] = []
     flashpage_ok = True
+    # Every implementation is checked, then timed in st.rounds round-robin rounds, so a drift of the
+    # GPU's clocks (power cap, temperature) over the shape's minute reaches them all alike.
+    errs: dict[str, tuple[float, float]] = {}
+
+    def failed(impl: Impl, e: Exception) -> None:
+        nonlocal flashpage_ok
+        msg = f"{impl.name} d={shape.d} s={shape.seqlen} causal={shape.causal}: {type(e).__name__}: {str(e)[:160]}"
+        print("  FAILED " + msg, flush=True)
+        notes.append(msg)
+        if impl.name == "flashpage":
+            flashpage_ok = False
+
     for impl in impls:
         try:
-            r, ok = measure_impl(impl, shape, ref, do, time_ms)
+            errs[impl_key(impl)] = check_impl(impl, ref, do)
         except Exception as e:  # a baseline that does not support the shape is reported, not fatal
-            msg = f"{impl.name} d={shape.d} s={shape.seqlen} causal={shape.causal}: {type(e).__name__}: {str(e)[:160]}"
-            print("  FAILED " + msg, flush=True)
-            notes.append(msg)
-            if impl.name == "flashpage":
-                flashpage_ok = False
+            failed(impl, e)
+    checked = [impl for impl in impls if impl_key(impl) in errs]
+    timings = time_round_robin(checked, do, time_ms, st.rounds, failed)
+    for impl in impls:
+        key = impl_key(impl)
+        if key not in timings:
             continue
+        r, ok = impl_rows(impl, shape, errs[key], timings[key])
         if impl.name == "flashpage" and not ok:
             flashpage_ok = False
             print(
@@ -569,6 +629,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the Triton-tutorial baseline at every head dim, not just 128",
     )
     parser.add_argument("--budget-s", type=float, default=None, help="skip flex after this many seconds")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timing rounds per shape, every implementation once per round in turn; rows keep the "
+        "fastest (default 2, smoke 1)",
+    )
     parser.add_argument(
         "--out", "--out-dir", dest="out_dir", type=Path, default=None, help="results directory"
     )
