@@ -362,6 +362,36 @@ def test_varlen_validation() -> None:
         flash_fwd(qv, kv, vv, cu_seqlens_q=cq, **base)
 
 
+def test_padded_checks_are_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repeated padded call reuses its validated problem (the checks read only metadata); new
+    metadata, option values or types are checked again, and invalid calls still raise."""
+    from flashpage.ops import flash_fwd as ff
+
+    ff._PADDED_PROBLEMS.clear()
+    calls: list[int] = []
+    full_check = ff._check_inputs
+    monkeypatch.setattr(ff, "_check_inputs", lambda *a: calls.append(1) or full_check(*a))
+    q, k, v = _good()
+    p1 = check_attention_inputs(q, k, v, causal=True)
+    p2 = check_attention_inputs(q.clone(), k.clone(), v, causal=True)  # same metadata, new tensors
+    assert p1 is p2 and len(calls) == 1
+    assert check_attention_inputs(q, k, v, causal=False).causal is False and len(calls) == 2
+    assert check_attention_inputs(q, k, v, causal=1).causal is True and len(calls) == 3  # another type
+    p_scale = check_attention_inputs(q, k, v, softmax_scale=0.5)
+    assert p_scale.softmax_scale == 0.5 and len(calls) == 4
+    scale = torch.tensor(0.25)  # read by value: never remembered
+    assert check_attention_inputs(q, k, v, softmax_scale=scale).softmax_scale == 0.25
+    scale.fill_(0.125)
+    assert check_attention_inputs(q, k, v, softmax_scale=scale).softmax_scale == 0.125 and len(calls) == 6
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        check_attention_inputs(q.transpose(-1, -2), k, v, causal=True)
+    with pytest.raises(TypeError, match="share one dtype"):
+        check_attention_inputs(q, k.half(), v, causal=True)
+    with pytest.raises(ValueError, match="dropout_p"):
+        check_attention_inputs(q, k, v, causal=True, dropout_p=1.0)
+    assert check_attention_inputs(q, k, v, causal=True) is p1 and len(calls) == 9  # failures not stored
+
+
 def test_cpu_without_interpreter_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k, v = (t.cpu() for t in _good())

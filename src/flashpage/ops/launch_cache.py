@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["LaunchCache", "aligned", "cdiv", "int_spec", "next_pow2", "programs_per_sm"]
+__all__ = ["LaunchCache", "Memo", "aligned", "cdiv", "int_spec", "next_pow2", "programs_per_sm"]
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31
 _I64_MAX = 2**63
@@ -77,6 +77,32 @@ def _is_arg_object(x: Any) -> bool:
     return isinstance(x, Tensor) or (hasattr(x, "base") and hasattr(x, "block_shape"))
 
 
+class Memo:
+    """A bounded memo of a pure host-side computation: ``get(key, compute)`` returns ``compute()``
+    evaluated once per ``key`` (cleared when ``max_items`` keys are held, so a workload with many
+    keys pays the computation again instead of growing without bound)."""
+
+    def __init__(self, max_items: int = 512) -> None:
+        self.max_items = max_items
+        self._items: dict[Hashable, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def get(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        try:
+            return self._items[key]
+        except KeyError:
+            value = compute()  # may raise: nothing is stored then
+            if len(self._items) >= self.max_items:
+                self._items.clear()
+            self._items[key] = value
+            return value
+
+
 @dataclass
 class _Plan:
     kernel: Any  # triton.compiler.CompiledKernel
@@ -95,7 +121,7 @@ class LaunchCache:
         self.fn = fn
         self.max_plans = max_plans
         self._plans: dict[Hashable, _Plan] = {}
-        self._memo: dict[Hashable, Any] = {}
+        self._memo = Memo(max_plans)
         params = list(inspect.signature(fn.fn).parameters.values()) if hasattr(fn, "fn") else []
         self._param_names = [p.name for p in params]
         self._defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
@@ -110,11 +136,7 @@ class LaunchCache:
     def remembered(self, key: Hashable, compute: Callable[[], Any]) -> Any:
         """``compute()``, evaluated once per ``key`` (a per-launch-key decision such as a grid size
         taken from the compiled kernel: a dict lookup on later calls)."""
-        if key not in self._memo:
-            if len(self._memo) >= self.max_plans:
-                self._memo.clear()
-            self._memo[key] = compute()
-        return self._memo[key]
+        return self._memo.get(key, compute)
 
     def launch(
         self,
