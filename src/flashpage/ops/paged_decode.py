@@ -806,9 +806,10 @@ def launch_paged_attention(
 
 def _max_offset(t: Tensor) -> int:
     """Largest element offset of ``t`` from its data pointer (0 for an empty tensor)."""
-    if t.numel() == 0:
-        return 0
-    return sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    n = t.numel()
+    if n == 0 or t.is_contiguous():  # the common cache: one cheap test per launch
+        return max(n - 1, 0)
+    return sum((size - 1) * st for size, st in zip(t.shape, t.stride()))
 
 
 def wide_offsets(config: PagedAttnConfig, k_cache: Tensor, v_cache: Tensor, paged: bool) -> bool:
