@@ -13,8 +13,10 @@ from flashpage.ops.cache_write import fp8_kv_scales, reshape_and_cache
 from flashpage.ops.paged_decode import (
     PagedAttnConfig,
     choose_num_splits,
+    default_decode_config,
     default_num_sms,
     paged_decode,
+    paged_grid,
     wide_offsets,
 )
 from flashpage.ops.paged_plan import plan_decode, run_decode
@@ -158,6 +160,7 @@ def test_kernel_configs_agree() -> None:
         PagedAttnConfig(block_m=32, block_n=32),
         PagedAttnConfig(block_n=32, num_stages=3, prefetch_table=True),  # 2 pages per tile
         PagedAttnConfig(block_n=128, num_warps=8, prefetch_table=True),
+        PagedAttnConfig(heads_first=True, pdl=True, combine_block_d=16, combine_warps=1),  # 2 column blocks
     ):
         for splits in (1, 2, 3):
             out = paged_decode(q, kc, vc, bt, sl, num_splits=splits, config=cfg)
@@ -205,6 +208,23 @@ def test_wide_offsets_rule() -> None:
     assert wide_offsets(cfg, spread, spread, paged=True)
 
 
+def test_grid_order_and_decode_defaults() -> None:
+    """The KV-head-first grid is the decode default and falls back to split-first when the
+    programs per (sequence, KV head) exceed CUDA's grid y limit; contiguous caches get the deeper
+    pipeline their unindirected loads want."""
+    cfg = default_decode_config(torch.bfloat16, 128)
+    assert cfg.heads_first and cfg.pdl and cfg.num_stages == 2
+    assert paged_grid(cfg, 1, 64, 8, 1) == (8, 64, 1)
+    assert paged_grid(cfg, 1024, 64, 8, 2) == (1024 * 64, 8, 2)  # y would be > 65535
+    assert paged_grid(PagedAttnConfig(), 3, 2, 8, 4) == (6, 8, 4)
+    assert default_decode_config(torch.bfloat16, 128, paged=False).num_stages == 4
+    assert default_decode_config(torch.float8_e4m3fn, 128, paged=False).num_stages == 3
+    plan = plan_decode(
+        2, 8, 2, 32, block_size=16, max_seqlen_k=256, q_dtype=torch.float32, device="cpu", num_splits=3
+    )
+    assert plan.grid == (2, 3, 2)
+
+
 def test_head_major_cache_storage() -> None:
     """The kernels take the caches' strides: a head-major physical storage of the same logical
     ``(num_blocks, block_size, nheads_k, d)`` view (each head's page rows contiguous) decodes alike."""
@@ -220,11 +240,14 @@ def test_head_major_cache_storage() -> None:
 
 
 @pytest.mark.parametrize("cfg", [PagedAttnConfig(fused_combine=True), PagedAttnConfig(block_n=32, early_v=True,
-                                 fused_combine=True)], ids=["fused-combine", "fused-early-v"])  # fmt: skip
+                                 fused_combine=True), PagedAttnConfig(heads_first=True, combine_block_d=16),
+                                 PagedAttnConfig(heads_first=True, fused_combine=True)],
+                         ids=["fused-combine", "fused-early-v", "heads-first", "heads-first-fused"])  # fmt: skip
 def test_fused_combine_and_early_v(cfg: PagedAttnConfig, device: str) -> None:
-    """The in-kernel merge of the splits (last arriving program) equals the reference, multi-query
-    rows with nothing visible included, and leaves its arrival counters zero for the next launch
-    (a plan's workspace is reused by every layer and every CUDA-graph replay)."""
+    """The in-kernel merge of the splits (last arriving program) and the combine kernel over
+    column blocks equal the reference, multi-query rows with nothing visible included (outputs and
+    LSE), and the merge leaves its arrival counters zero for the next launch (a plan's workspace is
+    reused by every layer and every CUDA-graph replay)."""
     lens, nheads, nheads_k, d = [2, 150, 33], 8, 2, 32
     kc, vc, bt, sl = make_paged_cache(lens, 16, nheads_k, d)
     q = torch.randn(len(lens), 3, nheads, d)
@@ -309,7 +332,7 @@ def test_plan_run_matches_and_never_syncs(monkeypatch: pytest.MonkeyPatch, devic
     )
     assert plan.num_splits == min(
         choose_num_splits(3, nheads_k, 70, default_num_sms(torch.device(device))), 2
-    ) and plan.grid[1:] == (nheads_k, 3)
+    ) and plan.grid == (nheads_k, plan.num_splits, 3)
     plan3 = plan_decode(
         3, nheads, nheads_k, d, block_size=16, max_seqlen_k=70, q_dtype=torch.float32, device=device,
         num_splits=3, config=PagedAttnConfig(block_n=16),

@@ -215,7 +215,7 @@ def flash_attn_with_kvcache(
     nheads_k = k_cache.shape[2]
     group = nheads // nheads_k
     if seqlen_q * group <= _DECODE_ROWS:
-        config = default_decode_config(k_cache.dtype, d)
+        config = default_decode_config(k_cache.dtype, d, paged=block_table is not None)
     else:
         config = default_prefill_config(
             d, q.device, k_cache.dtype, k_cache.shape[1] if block_table is not None else None

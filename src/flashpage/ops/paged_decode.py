@@ -3,9 +3,11 @@
 One Triton kernel, :func:`_paged_attn_kernel`, serves decode and (chunked) prefill: a program owns
 ``BLOCK_M`` query *rows* of one sequence and one KV head, where a row is a (query token, query head
 of the GQA group) pair: row ``m`` is token ``q0 + m // G``, head ``kvh * G + m % G``. So every query
-head of a group is processed together and each KV byte is read once per program. The grid is
-``(q_tiles * num_splits, nheads_k, batch)``; decode has one q tile (``BLOCK_M`` = the group, padded to
-at least 16 rows for ``tl.dot``), chunked prefill (:mod:`flashpage.ops.paged_prefill`) has many.
+head of a group is processed together and each KV byte is read once per program. The grid
+(:func:`paged_grid`) is ``(q_tiles * num_splits, nheads_k, batch)``, or ``(nheads_k, q_tiles *
+num_splits, batch)`` with ``heads_first`` (the decode default); decode has one q tile (``BLOCK_M`` =
+the group, padded to at least 16 rows for ``tl.dot``), chunked prefill
+(:mod:`flashpage.ops.paged_prefill`) has many.
 
 A program walks the KV tiles of its split of the visible key range (``BLOCK_N`` tokens per tile,
 absolute positions aligned to ``BLOCK_N``), fetching each tile's block ids from the block table: a
@@ -14,7 +16,9 @@ one scalar block id). Tiles that need no mask (all keys visible to every row) ru
 only the boundary tiles (the causal diagonal, the window's left edge, the sequence end) are masked.
 Online softmax is done in base 2 (``exp2``) with the scale folded into the scores; softcap, ALiBi and
 the fp8 e4m3 per-head scales are fused. With ``num_splits > 1`` every split writes its normalised
-partial output and log2-sum-exp to a float32 workspace and :func:`_combine_kernel` merges them.
+partial output and log2-sum-exp to a float32 workspace and :func:`_combine_kernel` merges them
+(on CUDA by default a programmatic dependent launch: scheduled while the attention grid drains, it
+waits in-kernel for the partials), or the last split to finish does (``fused_combine``).
 
 Layout: cache ``(num_blocks, block_size, nheads_k, d)`` with ``block_table (batch, max_blocks)`` int32
 (``PAGE_SIZE = block_size``), or a contiguous cache ``(batch_cache, seqlen_cache, nheads_k, d)`` read
@@ -50,6 +54,7 @@ __all__ = [
     "default_num_sms",
     "launch_paged_attention",
     "paged_decode",
+    "paged_grid",
     "resolve_num_splits",
     "tile_shape",
     "wide_offsets",
@@ -87,6 +92,14 @@ class PagedAttnConfig:
             lies within 2**31 elements of its base (checked per launch; larger caches use 64-bit).
             Fewer address instructions and registers per KV row (sm_90, triton 3.6, d=128 decode:
             114-120 -> 88-112 registers).
+        heads_first: launch order with the KV head as the fastest grid axis (the programs of one
+            sequence and split that read the same pages start together) instead of the split.
+        pdl: with split-KV and the separate combine kernel, launch the combine as a programmatic
+            dependent launch (CUDA, sm_90+): it is scheduled while the attention grid drains and waits
+            in-kernel (``griddepcontrol.wait``) for its results instead of after a full launch gap.
+        combine_block_d: head-dim columns per combine program (a power of two; ``0``: the whole
+            head dim); smaller blocks give the combine more, shorter programs.
+        combine_warps: warps per combine program.
     """
 
     block_m: int = 0
@@ -99,6 +112,10 @@ class PagedAttnConfig:
     use_tma: bool = False
     prefetch_table: bool = False
     narrow_offsets: bool = True
+    heads_first: bool = False
+    pdl: bool = False
+    combine_block_d: int = 0
+    combine_warps: int = 4
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps"):
@@ -109,6 +126,16 @@ class PagedAttnConfig:
             raise ValueError(f"PagedAttnConfig.block_n must be >= 16 (tl.dot), got {self.block_n}")
         if self.block_m and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
             raise ValueError(f"PagedAttnConfig.block_m must be 0 or a power of two >= 16, got {self.block_m}")
+        if self.combine_block_d and (
+            self.combine_block_d < 16 or self.combine_block_d & (self.combine_block_d - 1)
+        ):
+            raise ValueError(
+                f"PagedAttnConfig.combine_block_d must be 0 or a power of two >= 16, got {self.combine_block_d}"
+            )
+        if self.combine_warps < 1 or self.combine_warps & (self.combine_warps - 1):
+            raise ValueError(
+                f"PagedAttnConfig.combine_warps must be a power of two, got {self.combine_warps}"
+            )
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"PagedAttnConfig.num_stages must be a positive int, got {self.num_stages!r}")
         if not isinstance(self.maxnreg, int) or not (self.maxnreg == 0 or 32 <= self.maxnreg <= 255):
@@ -121,11 +148,17 @@ class PagedAttnConfig:
         extra += "-tma" if self.use_tma else ""
         extra += "-pt" if self.prefetch_table else ""
         extra += "" if self.narrow_offsets else "-i64"
+        extra += "-hf" if self.heads_first else ""
+        extra += "-pdl" if self.pdl else ""
+        extra += f"-c{self.combine_block_d}" if self.combine_block_d else ""
+        extra += f"-cw{self.combine_warps}" if self.combine_warps != 4 else ""
         return f"n{self.block_n}w{self.num_warps}s{self.num_stages}{extra}"
 
 
-def default_decode_config(kv_dtype: torch.dtype, head_dim: int) -> PagedAttnConfig:
-    """Decode defaults: 64-token tiles, 4 warps (fp8 KV: 128-token tiles, 4 warps, early V load).
+def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = True) -> PagedAttnConfig:
+    """Decode defaults: 64-token tiles, 4 warps (fp8 KV: 128-token tiles, 4 warps, early V load);
+    contiguous caches (``paged=False``) a deeper pipeline; with split-KV the KV-head-first grid and
+    a programmatic-dependent combine of 32-column, one-warp programs.
 
     On sm_90 (d=128) bf16 compiles without spills; with 32-bit KV-row offsets (``narrow_offsets``,
     used where the caches allow) triton 3.6 gives 112 registers (88 with split-KV: 5 programs per
@@ -144,13 +177,26 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int) -> PagedAttnConf
     The block-table indirection halves the load latency Triton's pipeliner assigns (``(num_stages -
     1) // 2`` stages ahead), so 2 stages issue a tile's loads one iteration ahead into one buffer; 5
     or 7 stages give two or three buffers but were slower for bf16 in that probe (the default 95-98%
-    of cuDNN, 5 stages 86-96%).
+    of cuDNN, 5 stages 86-96%). A contiguous cache has no indirection, so its loads go through
+    Triton's shared-memory pipeline at full depth: there 2 stages read only 78-81% of cuDNN's KV
+    bandwidth (H200, GQA 32/8, d=128, bf16; b1/128k, b32/32k, b64/4k), 4 stages 92-97.5% (5 or 6:
+    83-96%), and fp8 reads 1.19x faster with 3 stages than with 2 (b32/32k).
+
+    Split-KV combine (H200, 2026-12-04, interleaved with cuDNN): at b1/128k (64 splits) the attention
+    kernel alone takes 137.2 us (cuDNN 137.0) and the combine added 5.6 us as a second plain launch
+    of 32 four-warp programs; as a programmatic dependent launch (``pdl``) of 128 one-warp programs
+    over 32 columns each it adds ~1.6 us (138.8-139.1 us: 98.5% of cuDNN, was 95-96%). At b32/32k
+    (2 splits) no combine variant moved the time by more than 0.1%. The KV-head-first grid
+    (``heads_first``) read 0.1-0.4% more at the split shapes and the same elsewhere.
     """
+    split_opts = {"heads_first": True, "pdl": True, "combine_block_d": 32, "combine_warps": 1}
     if is_fp8_dtype(kv_dtype) and head_dim <= 128:
-        return PagedAttnConfig(block_n=128, num_warps=4, num_stages=2, early_v=True)
+        return PagedAttnConfig(
+            block_n=128, num_warps=4, num_stages=2 if paged else 3, early_v=True, **split_opts
+        )
     if head_dim > 128:
-        return PagedAttnConfig(block_n=32, num_warps=4, num_stages=2)
-    return PagedAttnConfig(block_n=64, num_warps=4, num_stages=2)
+        return PagedAttnConfig(block_n=32, num_warps=4, num_stages=2, **split_opts)
+    return PagedAttnConfig(block_n=64, num_warps=4, num_stages=2 if paged else 4, **split_opts)
 
 
 def default_num_sms(device: torch.device) -> int:
@@ -380,13 +426,27 @@ def _paged_attn_kernel(
     USE_TMA: tl.constexpr,
     PREFETCH_TABLE: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    pid0 = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if PDL:
+        # Lets the combine kernel (launched as a programmatic dependent) be scheduled as soon as
+        # every program here has started; it waits for this grid's results itself.
+        tl.extra.cuda.gdc_launch_dependents()
+    if HEADS_FIRST:
+        kvh = tl.program_id(0)
+        pid0 = tl.program_id(1)
+        n_pid0 = tl.num_programs(1)
+        n_kvh = tl.num_programs(0)
+    else:
+        pid0 = tl.program_id(0)
+        kvh = tl.program_id(1)
+        n_pid0 = tl.num_programs(0)
+        n_kvh = tl.num_programs(1)
     b = tl.program_id(2)
     split = pid0 % num_splits
     # Heaviest (last, most keys under causal) query tiles first: better tail balance.
-    tile = tl.num_programs(0) // num_splits - 1 - pid0 // num_splits
+    tile = n_pid0 // num_splits - 1 - pid0 // num_splits
     if VARLEN_Q:
         q_start = tl.load(CuSeqlensQ + b)
         q_len = tl.load(CuSeqlensQ + b + 1) - q_start
@@ -503,8 +563,8 @@ def _paged_attn_kernel(
             # thread's partial stores before the (gpu-scope, acq_rel) atomic; the last split to
             # arrive merges all of them and resets the counter for the next launch (graph replay).
             tl.debug_barrier()
-            n_tiles_q = tl.num_programs(0) // num_splits
-            arrival = Arrivals + (b * tl.num_programs(1) + kvh) * n_tiles_q + tile
+            n_tiles_q = n_pid0 // num_splits
+            arrival = Arrivals + (b * n_kvh + kvh) * n_tiles_q + tile
             prev = tl.atomic_add(arrival, 1, sem="acq_rel")
             if prev == num_splits - 1:
                 tl.debug_barrier()
@@ -576,12 +636,17 @@ def _combine_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """Merge the splits of one (token, head): weights ``2**(lse_s - max)``, empty splits weigh 0."""
+    """Merge the splits of one (token, head), head-dim columns ``[program_id(2) * BLOCK_D, ... +
+    BLOCK_D)``: weights ``2**(lse_s - max)``, empty splits weigh 0."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the attention grid's partials are complete and visible after this
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    d0 = tl.program_id(2) * BLOCK_D
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = d0 + tl.arange(0, BLOCK_D)
     s_ok = offs_s < num_splits
     lse = tl.load(MidLse + tok * stride_mlt + h * stride_mlh + offs_s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -594,11 +659,14 @@ def _combine_kernel(
     tl.store(
         Out + tok * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM
     )
-    if WRITE_LSE:
-        lse_out = tl.where(
-            denom > 0.0, (m + tl.log2(tl.where(denom > 0.0, denom, 1.0))) * 0.6931471805599453, float("-inf")
-        )
-        tl.store(Lse + h * stride_lh + tok * stride_lt, lse_out)
+    if WRITE_LSE:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if d0 == 0:
+            lse_out = tl.where(
+                denom > 0.0,
+                (m + tl.log2(tl.where(denom > 0.0, denom, 1.0))) * 0.6931471805599453,
+                float("-inf"),
+            )
+            tl.store(Lse + h * stride_lh + tok * stride_lt, lse_out)
 
 
 # Compiled launches by launch key (flashpage.ops.launch_cache) and the positions of the per-call
@@ -609,6 +677,22 @@ _PAGED_LAUNCHES = LaunchCache(_paged_attn_kernel)
 _COMBINE_LAUNCHES = LaunchCache(_combine_kernel)
 _PAGED_SLOTS = (*range(23), 33, 34, 35, 37, 38, 39, 40, 41)
 _COMBINE_SLOTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13)
+
+
+_MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions
+
+
+def paged_grid(
+    config: PagedAttnConfig, q_tiles: int, num_splits: int, nheads_k: int, batch: int
+) -> tuple[int, int, int]:
+    """The paged attention kernel's grid: KV head first when ``config.heads_first`` and the
+    ``q_tiles * num_splits`` programs per (sequence, KV head) fit the grid's y dimension."""
+    work = q_tiles * num_splits
+    return (nheads_k, work, batch) if _heads_first(config, work) else (work, nheads_k, batch)
+
+
+def _heads_first(config: PagedAttnConfig, work: int) -> bool:
+    return config.heads_first and work <= _MAX_GRID_YZ
 
 
 def tile_shape(config: PagedAttnConfig, max_seqlen_q: int, group: int) -> tuple[int, int]:
@@ -685,7 +769,7 @@ def launch_paged_attention(
         workspace: ``allocate_workspace(total_q, nheads, num_splits, d, arrivals=batch * nheads_k *
             q_tiles)`` buffers, else allocated here.
     """
-    config = config or default_decode_config(k_cache.dtype, q.shape[-1])
+    config = config or default_decode_config(k_cache.dtype, q.shape[-1], block_table is not None)
     total_q, nheads, head_dim = q.shape
     batch = seqlens_k.shape[0]
     nheads_k = k_cache.shape[2]
@@ -704,6 +788,7 @@ def launch_paged_attention(
     if fp8 and v_scale is None:
         v_scale = torch.ones(nheads_k, dtype=torch.float32, device=q.device)
     fused = split and config.fused_combine
+    pdl = split and not fused and config.pdl and q.device.type == "cuda"
     n_arrivals = batch * nheads_k * q_tiles
     if split:
         mid_o, mid_lse, arrivals = (
@@ -735,7 +820,8 @@ def launch_paged_attention(
     else:
         desc_k, desc_v = k_cache, v_cache
     wide = wide_offsets(config, k_cache, v_cache, paged)
-    grid = (q_tiles * num_splits, nheads_k, batch)
+    grid = paged_grid(config, q_tiles, num_splits, nheads_k, batch)
+    heads_first = _heads_first(config, q_tiles * num_splits)
     tensors = (
         q, k_cache, v_cache, desc_k, desc_v, out, lse_arg, mid_o, mid_lse, arrivals,
         block_table if paged else dummy, seqlens_k, cu_seqlens_q if cu_seqlens_q is not None else dummy,
@@ -756,7 +842,7 @@ def launch_paged_attention(
         config, block_m, q.dtype, k_cache.dtype, out.dtype, q.device.index, head_dim, nheads, nheads_k,
         page_size, cu_seqlens_q is not None, cache_batch_idx is not None, softcap > 0,
         None if alibi_slopes is None else (alibi_slopes.dim(), alibi_slopes.stride(0)), split, write_lse, upcast, fused, use_tma,
-        wide,
+        wide, pdl, heads_first,
         q.stride(), k_cache.stride(), v_cache.stride(), out.stride(), aligned(*tensors),
         tuple(int_spec(x) for x in ints),
     )  # fmt: skip
@@ -777,7 +863,8 @@ def launch_paged_attention(
             "HAS_ALIBI": alibi_slopes is not None, "KV_FP8": fp8, "SPLIT": split, "WRITE_LSE": write_lse,
             "DOT_PRECISION": "ieee" if q.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast,
             "EARLY_V": config.early_v, "FUSED_COMBINE": fused, "USE_TMA": use_tma,
-            "PREFETCH_TABLE": config.prefetch_table, "WIDE_OFFSETS": wide, "num_warps": config.num_warps,
+            "PREFETCH_TABLE": config.prefetch_table, "WIDE_OFFSETS": wide, "HEADS_FIRST": heads_first,
+            "PDL": pdl, "num_warps": config.num_warps,
             "num_stages": config.num_stages,
             **({"maxnreg": config.maxnreg} if config.maxnreg and q.device.type == "cuda" else {}),
         }  # fmt: skip
@@ -788,19 +875,25 @@ def launch_paged_attention(
         c_tensors = (mid_o, mid_lse, out, lse_arg)
         c_ints = (num_splits, *mid_strides, *lse_strides)
         block_s = max(2, next_pow2(num_splits))
+        block_dc = min(config.combine_block_d or next_pow2(head_dim), next_pow2(head_dim))
         c_key = (
-            head_dim, block_s, write_lse, out.dtype, q.device.index, out.stride(), aligned(*c_tensors),
+            head_dim, block_s, block_dc, config.combine_warps, write_lse, pdl, out.dtype, q.device.index, out.stride(), aligned(*c_tensors),
             tuple(int_spec(x) for x in c_ints),
         )  # fmt: skip
 
         def build_combine() -> tuple[list[Any], dict[str, Any]]:
             args = [*c_tensors, num_splits, *mid_strides, out.stride(0), out.stride(1), *lse_strides]
-            kwargs = {"HEAD_DIM": head_dim, "BLOCK_D": next_pow2(head_dim), "BLOCK_S": block_s,
-                      "WRITE_LSE": write_lse, "num_warps": 4}  # fmt: skip
+            kwargs = {"HEAD_DIM": head_dim, "BLOCK_D": block_dc, "BLOCK_S": block_s,
+                      "WRITE_LSE": write_lse, "PDL": pdl, "num_warps": config.combine_warps,
+                      **({"launch_pdl": True} if pdl else {})}  # fmt: skip
             return args, kwargs
 
         _COMBINE_LAUNCHES.launch(
-            c_key, (total_q, nheads), _COMBINE_SLOTS, (*c_tensors, *c_ints), build_combine
+            c_key,
+            (total_q, nheads, cdiv(head_dim, block_dc)),
+            _COMBINE_SLOTS,
+            (*c_tensors, *c_ints),
+            build_combine,
         )
 
 

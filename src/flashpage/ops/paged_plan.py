@@ -27,6 +27,7 @@ from flashpage.ops.paged_decode import (
     allocate_workspace,
     default_decode_config,
     launch_paged_attention,
+    paged_grid,
     resolve_num_splits,
     tile_shape,
 )
@@ -45,7 +46,8 @@ class DecodePlan:
         num_splits: split-KV count; ``> 1`` uses ``workspace`` and the combine kernel.
         config: kernel tile configuration.
         block_m: query rows per program (tokens x GQA group).
-        grid: ``(q_tiles * num_splits, nheads_k, batch)``.
+        grid: :func:`~flashpage.ops.paged_decode.paged_grid`, e.g. ``(nheads_k, q_tiles * num_splits,
+            batch)`` for the decode default.
         softmax_scale, causal, window_size, softcap: attention options baked into the plan.
         workspace: split partial outputs, log2-sum-exps and the fused combine's arrival counters
             (``None`` when ``num_splits == 1``).
@@ -137,7 +139,7 @@ def plan_decode(
         num_splits=splits,
         config=config,
         block_m=block_m,
-        grid=(q_tiles * splits, nheads_k, batch),
+        grid=paged_grid(config, q_tiles, splits, nheads_k, batch),
         softmax_scale=softmax_scale if softmax_scale is not None else head_dim**-0.5,
         causal=causal,
         window_size=window_size,
