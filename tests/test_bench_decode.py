@@ -30,6 +30,7 @@ def test_smoke_run_writes_default_config_rows(tmp_path: Path) -> None:
     for shape in shapes:
         mine = [r for r in decode if (r["batch"], r["ctx"], r["nheads"], r["nheads_k"], r["d"]) == shape]
         planner = {r["dtype"]: r for r in mine if r["variant"] == "planner"}
+        assert {r["variant"] for r in mine} >= {"planner", "contiguous"}
         assert set(planner) == {"bfloat16" if torch.cuda.is_available() else "float32", "fp8_e4m3"}
         d = shape[-1]
         fp8 = planner["fp8_e4m3"]

@@ -6,7 +6,8 @@ sequence, paged cache with block size 16 (a random permutation of the blocks):
 * ``flashpage``: the split-KV paged decode kernel through ``plan_decode``/``run_decode``, the roofline
   planner's split count and the default tiles (``variant="planner"``); the same plan over a
   head-major physical storage of the same logical cache view (``variant="head-major"``: each head's
-  page rows contiguous); with ``--variants`` also the
+  page rows contiguous); ``flash_attn_with_kvcache`` over a contiguous ``(batch, ctx, nheads_k, d)``
+  cache, flash-attn's unpaged layout (``variant="contiguous"``); with ``--variants`` also the
   best of a sweep over split counts, ``BLOCK_N``, warps and stages (``variant="best"``); and fp8 e4m3
   KV with per-head scales (``dtype="fp8_e4m3"``, with ``ratio_vs_bf16`` of sequences x tokens / s);
 * ``sdpa-cudnn`` / ``sdpa-flash``: PyTorch SDPA on a contiguous ``(batch, nheads_k, ctx, d)`` cache
@@ -323,6 +324,21 @@ def bench_decode_shape(
         k_hm, v_hm = (c.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for c in (k_cache, v_cache))
         timed_plan("head-major", plan, k_hm, v_hm)
         del k_hm, v_hm
+
+    # The public flash-attn entry point on its unpaged layout (the planner's split count, the
+    # contiguous-cache tiles; validate=False: no host sync inside the timed call).
+    from flashpage.ops.kvcache import flash_attn_with_kvcache
+
+    kv_nhd = [c.transpose(1, 2).contiguous() for c in (k_contig, v_contig)]
+
+    def contiguous() -> Tensor:
+        return flash_attn_with_kvcache(q.unsqueeze(1), *kv_nhd, cache_seqlens=seqlens, validate=False)
+
+    e = _max_err(contiguous()[:, 0], ref)
+    if e > _TOL:
+        notes.append(f"flashpage contiguous b={b} ctx={ctx} h={h}/{hk}: max err {e:.3g} vs SDPA")
+    row("flashpage", time_ms(contiguous), kv_bytes, dtype_name, variant="contiguous", max_err=e)
+    kv_nhd.clear()  # free the copies before the next rows allocate theirs
 
     if st.variants:
         best = None
