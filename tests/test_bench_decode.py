@@ -8,8 +8,10 @@ row matched SDPA, and the prefill rows carry their ratio to the flash kernel.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from flashpage.bench.decode import main
@@ -38,9 +40,40 @@ def test_smoke_run_writes_default_config_rows(tmp_path: Path) -> None:
         assert fp8["ratio_vs_bf16"] > 0 and fp8["tbps"] > 0
         for r in mine:
             assert r["max_err"] < 1e-2, r
+            assert r["ms"] == min(r["ms_rounds"]) and len(r["ms_rounds"]) == 1  # --smoke: one round
     prefill = {r["variant"]: r for r in rows if r["bench"] == "prefill" and r["impl"] == "flashpage"}
     paged = prefill["paged-prefill"]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     assert paged["config"] == default_prefill_config(paged["d"], dev, dtype, paged["block_size"]).short()
     assert paged["ratio_vs_flash"] > 0 and "flash-varlen" in prefill
+
+
+def test_rows_are_timed_round_robin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row of a shape is timed once per round, all rows in turn, and keeps its fastest round."""
+    import flashpage.bench.decode as bench
+
+    calls: list[tuple[int, list[int]]] = []  # per shape: (rows, the order they were timed in)
+    real = bench.round_robin
+
+    def spy(items: list, measure: Callable, rounds: int, on_error: Callable) -> list:
+        seen: list[int] = []
+        calls.append((len(items), seen))
+
+        def traced(item: tuple) -> float:
+            seen.append(id(item))
+            return measure(item)
+
+        return real(items, traced, rounds, on_error)
+
+    monkeypatch.setattr(bench, "round_robin", spy)
+    assert main(["--smoke", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    assert len(calls) == 3  # one per decode shape, one per prefill shape
+    for n, seen in calls:
+        assert n >= 2 and len(seen) == 2 * n and seen[:n] == seen[n:] and len(set(seen)) == n
+    rows = json.loads(next(tmp_path.glob("decode-*.json")).read_text())["rows"]
+    assert {r["bench"] for r in rows} == {"decode", "prefill"}
+    assert all(len(r["ms_rounds"]) == 2 and r["ms"] == min(r["ms_rounds"]) for r in rows)
+    paged = next(r for r in rows if r.get("variant") == "paged-prefill")
+    flash = next(r for r in rows if r.get("variant") == "flash-varlen")
+    assert paged["ratio_vs_flash"] == flash["ms"] / paged["ms"]

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashpage.bench.common import env_info, graph_ms, write_results
+from flashpage.bench.common import env_info, graph_ms, round_robin, write_results
 
 TABLE_COLUMNS = [
     "impl",
@@ -283,20 +283,8 @@ def time_round_robin(
     """Time ``impls`` in ``rounds`` rounds, each round every implementation once in list order
     (:func:`time_impl`); returns each one's per-round times by :func:`impl_key`. An implementation
     that raises is reported to ``on_error`` and left out of the result and of later rounds."""
-    times: dict[str, list[dict[str, float]]] = {}
-    dropped: set[str] = set()
-    for _ in range(rounds):
-        for impl in impls:
-            key = impl_key(impl)
-            if key in dropped:
-                continue
-            try:
-                times.setdefault(key, []).append(time_impl(impl, do, time_ms))
-            except Exception as e:
-                dropped.add(key)
-                times.pop(key, None)
-                on_error(impl, e)
-    return times
+    results = round_robin(impls, lambda impl: time_impl(impl, do, time_ms), rounds, on_error)
+    return {impl_key(impl): got for impl, got in zip(impls, results, strict=True) if got is not None}
 
 
 def impl_rows(

@@ -153,6 +153,30 @@ def do_bench_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> floa
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def round_robin(
+    items: Sequence[Any],
+    measure: Callable[[Any], Any],
+    rounds: int,
+    on_error: Callable[[Any, Exception], None],
+) -> list[list[Any] | None]:
+    """``measure(item)`` of every item in ``rounds`` rounds, each round every item once in order (so
+    a drift of the GPU's clocks or power state over a shape's minute reaches each alike). Returns
+    each item's per-round results, or ``None`` for an item whose ``measure`` raised: it is reported to
+    ``on_error`` once and left out of later rounds."""
+    results: list[list[Any] | None] = [[] for _ in items]
+    for _ in range(rounds):
+        for i, item in enumerate(items):
+            got = results[i]
+            if got is None:
+                continue
+            try:
+                got.append(measure(item))
+            except Exception as e:
+                results[i] = None
+                on_error(item, e)
+    return results
+
+
 def graph_ms(
     fn: Callable[[], Any], device: torch.device, time_ms: Callable[[Callable[[], Any]], float], reps: int = 1
 ) -> float | None:
