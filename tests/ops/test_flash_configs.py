@@ -57,3 +57,13 @@ def test_candidates_are_valid_distinct_configs(d: int) -> None:
     for cands, typ in ((fwd_candidates(d, dev), FwdConfig), (bwd_candidates(d, dev), BwdConfig)):
         assert cands and all(isinstance(c, typ) for c in cands)
         assert len({c.short() for c in cands}) == len(cands)  # no config is timed twice
+
+
+def test_pdl_needs_sm90_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Programmatic dependent launch (griddepcontrol) only on CUDA sm_90+, never the interpreter."""
+    import flashpage.ops.flash_configs as fc
+
+    assert not fc.pdl_supported(torch.device("cpu"))
+    for major, expected in ((8, False), (9, True), (10, True)):
+        monkeypatch.setattr(fc, "cuda_capability", lambda device, major=major: (major, 0))
+        assert fc.pdl_supported(torch.device("cuda", 0)) is expected

@@ -288,6 +288,21 @@ def tma_supported(device: torch.device) -> bool:
     return cuda_capability(device)[0] >= 9
 
 
+@functools.cache
+def _has_grid_dependency_control() -> bool:
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch can be used: a CUDA sm_90+ GPU and a triton with the grid
+    dependency control ops (``griddepcontrol`` does not exist below sm_90; never the interpreter)."""
+    return device.type == "cuda" and _has_grid_dependency_control() and cuda_capability(device)[0] >= 9
+
+
 def fwd_config(
     head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device, seqlen_k: int | None = None
 ) -> FwdConfig:

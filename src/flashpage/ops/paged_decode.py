@@ -39,7 +39,7 @@ from torch import Tensor
 
 from flashpage.ops.backend import interpreter_enabled
 from flashpage.ops.cache_write import is_fp8_dtype, validate_scale
-from flashpage.ops.flash_configs import tma_supported
+from flashpage.ops.flash_configs import pdl_supported, tma_supported
 from flashpage.ops.flash_fwd import make_row_descriptor, tma_row_view_ok
 from flashpage.ops.launch_cache import LaunchCache, aligned, cdiv, int_spec, next_pow2
 from flashpage.roofline.planner import choose_num_splits  # the roofline planner's split-KV rule
@@ -95,8 +95,10 @@ class PagedAttnConfig:
         heads_first: launch order with the KV head as the fastest grid axis (the programs of one
             sequence and split that read the same pages start together) instead of the split.
         pdl: with split-KV and the separate combine kernel, launch the combine as a programmatic
-            dependent launch (CUDA, sm_90+): it is scheduled while the attention grid drains and waits
-            in-kernel (``griddepcontrol.wait``) for its results instead of after a full launch gap.
+            dependent launch: it is scheduled while the attention grid drains and waits in-kernel
+            (``griddepcontrol.wait``) for its results instead of after a full launch gap. Used where
+            supported (CUDA sm_90+, :func:`~flashpage.ops.flash_configs.pdl_supported`), a plain launch
+            elsewhere.
         combine_block_d: head-dim columns per combine program (a power of two; ``0``: the whole
             head dim); smaller blocks give the combine more, shorter programs.
         combine_warps: warps per combine program.
@@ -788,7 +790,7 @@ def launch_paged_attention(
     if fp8 and v_scale is None:
         v_scale = torch.ones(nheads_k, dtype=torch.float32, device=q.device)
     fused = split and config.fused_combine
-    pdl = split and not fused and config.pdl and q.device.type == "cuda"
+    pdl = split and not fused and config.pdl and pdl_supported(q.device)
     n_arrivals = batch * nheads_k * q_tiles
     if split:
         mid_o, mid_lse, arrivals = (
