@@ -238,10 +238,8 @@ def _variant_configs(fp8: bool) -> list[Any]:
     # register cap, 64-bit KV-row offsets, the split-first grid, the plain second-launch combine.
     d0 = default_decode_config(torch.float8_e4m3fn if fp8 else torch.bfloat16, 128)
     plain = {"pdl": False, "combine_block_d": 0, "combine_warps": 4}
-    knobs = [{"fused_combine": True}, {"early_v": not d0.early_v}, {"maxnreg": 128}, {"narrow_offsets": False},
-             {"heads_first": False}, plain]  # fmt: skip
-    if fp8:
-        knobs = [knobs[0], knobs[1], knobs[4], knobs[5]]
+    bf16_only = [] if fp8 else [{"maxnreg": 128}, {"narrow_offsets": False}]
+    knobs = [{"fused_combine": True}, {"early_v": not d0.early_v}, *bf16_only, {"heads_first": False}, plain]
     return cfgs + [replace(d0, **kw) for kw in knobs]
 
 
