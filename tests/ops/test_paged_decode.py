@@ -243,7 +243,7 @@ def test_head_major_cache_storage() -> None:
                                  fused_combine=True), PagedAttnConfig(heads_first=True, combine_block_d=16),
                                  PagedAttnConfig(heads_first=True, fused_combine=True)],
                          ids=["fused-combine", "fused-early-v", "heads-first", "heads-first-fused"])  # fmt: skip
-def test_fused_combine_and_early_v(cfg: PagedAttnConfig, device: str) -> None:
+def test_split_combine_variants(cfg: PagedAttnConfig, device: str) -> None:
     """The in-kernel merge of the splits (last arriving program) and the combine kernel over
     column blocks equal the reference, multi-query rows with nothing visible included (outputs and
     LSE), and the merge leaves its arrival counters zero for the next launch (a plan's workspace is

@@ -23,6 +23,7 @@ uses small tiles.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -271,36 +272,32 @@ def _capability_of(index: int) -> tuple[int, int]:
 
 
 @functools.cache
-def _has_tensor_descriptor() -> bool:
+def _triton_has(module: str, *names: str) -> bool:
+    """Whether this triton provides ``names`` in ``module`` (an optional feature of some releases)."""
     try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+        mod = importlib.import_module(module)
     except ImportError:
         return False
-    return True
+    return all(hasattr(mod, name) for name in names)
 
 
 def tma_supported(device: torch.device) -> bool:
     """Host-side TMA descriptors can be used: triton has them and the GPU is sm_90+ (or interpreter)."""
-    if not _has_tensor_descriptor():
+    if not _triton_has("triton.tools.tensor_descriptor", "TensorDescriptor"):
         return False
     if device.type != "cuda":
         return interpreter_enabled()
     return cuda_capability(device)[0] >= 9
 
 
-@functools.cache
-def _has_grid_dependency_control() -> bool:
-    try:
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch can be used: a CUDA sm_90+ GPU and a triton with the grid
     dependency control ops (``griddepcontrol`` does not exist below sm_90; never the interpreter)."""
-    return device.type == "cuda" and _has_grid_dependency_control() and cuda_capability(device)[0] >= 9
+    return (
+        device.type == "cuda"
+        and _triton_has("triton.language.extra.cuda", "gdc_launch_dependents", "gdc_wait")
+        and cuda_capability(device)[0] >= 9
+    )
 
 
 def fwd_config(
