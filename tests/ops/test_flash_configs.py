@@ -67,3 +67,27 @@ def test_pdl_needs_sm90_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     for major, expected in ((8, False), (9, True), (10, True)):
         monkeypatch.setattr(fc, "cuda_capability", lambda device, major=major: (major, 0))
         assert fc.pdl_supported(torch.device("cuda", 0)) is expected
+
+
+def test_ws_needs_sm90_cuda_and_gluon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Gluon warp-specialized forward runs on CUDA sm_90 only (not sm_80, not Blackwell's
+    tcgen05 parts, never the interpreter), and only with Gluon's Hopper ops in triton."""
+    import flashpage.ops.flash_configs as fc
+
+    assert not fc.ws_supported(torch.device("cpu"))
+    monkeypatch.setattr(fc, "interpreter_enabled", lambda: False)
+    for major, expected in ((8, False), (9, True), (10, False)):
+        monkeypatch.setattr(fc, "cuda_capability", lambda device, major=major: (major, 0))
+        assert fc.ws_supported(torch.device("cuda", 0)) is expected
+    monkeypatch.setattr(fc, "_triton_has", lambda module, *names: False)
+    assert not fc.ws_supported(torch.device("cuda", 0))
+
+
+def test_ws_stages_validated_and_labelled() -> None:
+    assert FwdConfig(128, 128, 8, 3, True, ws_stages=3).short() == "m128n128w8s3tma-ws3"
+    assert "ws" not in FwdConfig(128, 128, 8, 3, True).short()
+    with pytest.raises(ValueError, match="ws_stages"):
+        FwdConfig(ws_stages=4)
+    # The Hopper table's Gluon entries keep a Triton config for what the Gluon kernel does not take.
+    ws = [(key, c) for key, c in HOPPER_FWD.items() if c.ws_stages]
+    assert ws and all(key[0] in (64, 128) for key, _ in ws)

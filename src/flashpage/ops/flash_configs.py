@@ -63,6 +63,10 @@ class FwdConfig:
         split_tail: when the row tiles of a padded, unmasked (non-causal, no window) forward end in
             a partial wave of programs, share that wave's key ranges among all resident programs
             (stream-K, ``flash_fwd.TailSplit``) instead of running it at partial occupancy.
+        ws_stages: on Hopper, run the Gluon warp-specialized kernel of ``flash_fwd_ws`` (FA3's
+            ping-pong schedule, 128 x 128 tiles) with a K/V ring this deep (2 or 3) where it applies
+            (``flash_fwd.ws_applies``); 0: never. The other fields configure the Triton kernel,
+            which runs everything the Gluon one does not take.
     """
 
     block_m: int = 128
@@ -71,6 +75,7 @@ class FwdConfig:
     num_stages: int = 2
     use_tma: bool = False
     split_tail: bool = True
+    ws_stages: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -81,11 +86,17 @@ class FwdConfig:
             raise ValueError(f"FwdConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"FwdConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.ws_stages not in (0, 2, 3):
+            raise ValueError(f"FwdConfig.ws_stages must be 0 (off), 2 or 3, got {self.ws_stages}")
 
     def short(self) -> str:
         """Compact label used by the benchmark's variant table."""
         tail = "" if self.split_tail else "-whole"
-        return f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}{'tma' if self.use_tma else 'ptr'}{tail}"
+        ws = f"-ws{self.ws_stages}" if self.ws_stages else ""
+        return (
+            f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+            f"{'tma' if self.use_tma else 'ptr'}{tail}{ws}"
+        )
 
 
 @dataclass(frozen=True)
@@ -176,17 +187,26 @@ ANY_SEQLEN = 1 << 30
 HOPPER_FWD: dict[tuple[int, bool, int], FwdConfig] = {
     (32, False, ANY_SEQLEN): FwdConfig(128, 128, 8, 3, True),
     (32, True, ANY_SEQLEN): FwdConfig(128, 128, 8, 3, True),
+    # ws_stages (the Gluon warp-specialized kernel, flash_fwd_ws): sweep of 2026-12-04 on the H200,
+    # same run as SDPA (16k tokens, model dim 2048, bf16; TFLOP/s, Triton entry -> Gluon):
+    # d=64 16k 420 -> 436 / causal 394 -> 408, 4k 409 -> 419 / causal 373 -> 328 (kept Triton),
+    # 1k 360 -> 331-349 / causal 293 -> 241 (kept Triton).
     (64, False, 1024): FwdConfig(64, 64, 4, 3, True),
-    (64, False, ANY_SEQLEN): FwdConfig(128, 64, 4, 3, True),
+    (64, False, ANY_SEQLEN): FwdConfig(128, 64, 4, 3, True, ws_stages=2),
     (64, True, 1024): FwdConfig(64, 64, 4, 2, True),
-    (64, True, ANY_SEQLEN): FwdConfig(64, 64, 4, 3, True),
-    (128, False, 1024): FwdConfig(64, 64, 4, 3, True),
-    (128, False, 4096): FwdConfig(128, 128, 8, 3, True),
-    # 16k (sweep of 2026-12-03, same run as SDPA-flash): 128 x 128 w8 s3 506 / 503 TFLOP/s
+    (64, True, 4096): FwdConfig(64, 64, 4, 3, True),
+    (64, True, ANY_SEQLEN): FwdConfig(64, 64, 4, 3, True, ws_stages=2),
+    # d=128: 16k 517 -> 643 (3 stages; 2: 636) / causal 496 -> 592 (2: 568), 4k 473 -> 630 (2 stages;
+    # 3: 599) / causal 435 -> 475, 1k 418 -> 498 (no tail split; with it 482) / causal 341 -> 322
+    # (kept Triton). cuDNN in the same run: 609 / 542 at 16k.
+    (128, False, 1024): FwdConfig(64, 64, 4, 3, True, split_tail=False, ws_stages=2),
+    (128, False, 4096): FwdConfig(128, 128, 8, 3, True, ws_stages=2),
+    # Triton at 16k (sweep of 2026-12-03, same run as SDPA-flash): 128 x 128 w8 s3 506 / 503 TFLOP/s
     # non-causal / causal vs 481 / 485 for 64 x 64 w4 s3 (which wins causal at 4k: 444 vs 429).
-    (128, False, ANY_SEQLEN): FwdConfig(128, 128, 8, 3, True),
-    (128, True, 4096): FwdConfig(64, 64, 4, 3, True),
-    (128, True, ANY_SEQLEN): FwdConfig(128, 128, 8, 3, True),
+    (128, False, ANY_SEQLEN): FwdConfig(128, 128, 8, 3, True, ws_stages=3),
+    (128, True, 1024): FwdConfig(64, 64, 4, 3, True),
+    (128, True, 4096): FwdConfig(64, 64, 4, 3, True, ws_stages=2),
+    (128, True, ANY_SEQLEN): FwdConfig(128, 128, 8, 3, True, ws_stages=3),
     (256, False, ANY_SEQLEN): FwdConfig(128, 64, 8, 2, True),
     (256, True, ANY_SEQLEN): FwdConfig(128, 64, 8, 2, True),
 }
@@ -300,6 +320,20 @@ def pdl_supported(device: torch.device) -> bool:
     )
 
 
+def ws_supported(device: torch.device) -> bool:
+    """The Gluon warp-specialized forward (``flash_fwd_ws``) can run: a CUDA sm_90 GPU and a triton
+    with Gluon's Hopper ops and ``warp_specialize`` (3.6 and 3.9 have them; never the interpreter)."""
+    return (
+        device.type == "cuda"
+        and not interpreter_enabled()
+        and cuda_capability(device)[0] == 9
+        and _triton_has("triton.experimental.gluon.language", "warp_specialize")
+        and _triton_has(
+            "triton.experimental.gluon.language.nvidia.hopper", "warpgroup_mma", "warpgroup_mma_wait"
+        )
+    )
+
+
 def fwd_config(
     head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device, seqlen_k: int | None = None
 ) -> FwdConfig:
@@ -360,7 +394,11 @@ def fwd_candidates(head_dim: int, device: torch.device) -> list[FwdConfig]:
     else:
         base = [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)]
     # With TMA the pointer-load variants were never faster on the H200 (2026-12-03): time TMA only.
-    return [FwdConfig(*b, use_tma=tma) for b in base]
+    out = [FwdConfig(*b, use_tma=tma) for b in base]
+    if head_dim in (64, 128) and ws_supported(device):
+        out += [replace(out[0], ws_stages=st) for st in (2, 3)]
+        out += [replace(out[0], ws_stages=2, split_tail=False)]
+    return out
 
 
 def bwd_candidates(head_dim: int, device: torch.device) -> list[BwdConfig]:

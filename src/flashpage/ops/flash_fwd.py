@@ -58,6 +58,7 @@ from flashpage.ops.flash_configs import (
     fwd_config,
     padded_head_dim,
     tma_supported,
+    ws_supported,
 )
 from flashpage.ops.launch_cache import LaunchCache, Memo, aligned, cdiv, int_spec, programs_per_sm
 
@@ -71,6 +72,7 @@ __all__ = [
     "make_row_descriptor",
     "plan_tail_split",
     "tma_row_view_ok",
+    "ws_applies",
 ]
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -973,6 +975,62 @@ def tail_split_applies(cfg: FwdConfig | BwdConfig, prob: AttnProblem) -> bool:
     return cfg.split_tail and not prob.varlen and prob.window_left < 0 and prob.window_right < 0
 
 
+def ws_applies(
+    cfg: FwdConfig, prob: AttnProblem, q: Tensor, k: Tensor, v: Tensor, out: Tensor, alibi_slopes: Tensor | None
+) -> bool:  # fmt: skip
+    """Whether ``cfg`` asks for, and ``prob`` fits, the Gluon warp-specialized forward
+    (``flash_fwd_ws``; its module doc gives the scope): sm_90, bf16/fp16, d 64 or 128, padded
+    batch, sequence lengths multiples of 128, no dropout / softcap / ALiBi / window other than
+    causal (with ``seqlen_k >= seqlen_q``), 2-D TMA-readable q, k, v and out."""
+    if not cfg.ws_stages or prob.varlen or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    d, sq, sk = prob.head_dim, prob.seqlen_q, prob.seqlen_k
+    if d not in (64, 128) or sq % 128 or sk % 128 or sq == 0 or prob.softmax_scale <= 0:
+        return False
+    if prob.dropout_p > 0 or prob.softcap > 0 or alibi_slopes is not None or prob.window_left >= 0:
+        return False
+    if prob.causal and sk < sq:
+        return False
+    if not prob.causal and prob.window_right >= 0:
+        return False
+    return ws_supported(q.device) and all(tma_row_view_ok(t, False, d) for t in (q, k, v, out))
+
+
+def _launch_ws(
+    prob: AttnProblem, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cfg: FwdConfig,
+    resident: int | None,
+) -> None:  # fmt: skip
+    """The warp-specialized forward, with the tail split of :func:`_launch_fwd` (its CTAs fill an
+    SM each: 164 KB of shared memory at 2 stages, so ``resident`` defaults to the SM count)."""
+    from flashpage.ops.flash_fwd_ws import WS_BLOCK_M, WS_BLOCK_N, launch_ws_fwd
+
+    split = None
+    if cfg.split_tail and not prob.causal:
+        if resident is None:
+            resident = torch.cuda.get_device_properties(q.device).multi_processor_count
+        n_tiles = prob.batch * prob.nheads * (prob.seqlen_q // WS_BLOCK_M)
+        split = plan_tail_split(n_tiles, prob.seqlen_k // WS_BLOCK_N, resident)
+    common = {"softmax_scale": prob.softmax_scale, "causal": prob.causal, "stages": cfg.ws_stages}
+    if split is None:
+        launch_ws_fwd(q, k, v, out, lse, **common)
+        return
+    acc_ws, ml_ws = _tail_workspaces(split, WS_BLOCK_M, prob.head_dim, q.device)
+    tail = (split.n_main, split.n_tail, split.tail_work, split.piece_len, split.max_pieces)
+    launch_ws_fwd(q, k, v, out, lse, tail=tail, acc_ws=acc_ws, ml_ws=ml_ws, **common)
+    _launch_tail_combine(prob, out, lse, acc_ws, ml_ws, split, WS_BLOCK_M)
+
+
+def _tail_workspaces(
+    split: TailSplit, block_m: int, block_d: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """The float32 partial states of a :class:`TailSplit`: ``acc (slots, block_m, block_d)`` and
+    ``m, l (slots, 2, block_m)``."""
+    slots = split.tail_tiles * split.max_pieces
+    acc_ws = torch.empty((slots, block_m, block_d), dtype=torch.float32, device=device)
+    ml_ws = torch.empty((slots, 2, block_m), dtype=torch.float32, device=device)
+    return acc_ws, ml_ws
+
+
 # Compiled forward launches by launch key (like Triton's per-kernel compile cache, process-wide).
 _FWD_LAUNCHES = LaunchCache(_attn_fwd_kernel)
 _COMBINE_LAUNCHES = LaunchCache(_fwd_tail_combine_kernel)
@@ -999,6 +1057,9 @@ def _launch_fwd(
 ) -> None:
     """Launch the forward. ``resident``: programs the GPU holds at once, for the tail split
     (default: see :func:`flash_fwd`'s ``resident_programs``)."""
+    if cfg.ws_stages and ws_applies(cfg, prob, q, k, v, out, alibi_slopes):
+        _launch_ws(prob, q, k, v, out, lse, cfg, resident)
+        return
     d = prob.head_dim
     use_tma = fwd_uses_tma(cfg, prob, q, k, v)
     if use_tma:
@@ -1068,11 +1129,18 @@ def _launch_fwd(
             (*key, False), (n_m, prob.batch * prob.nheads), _FWD_SLOTS, vals, builder(vals, False)
         )
         return
-    slots = split.tail_tiles * split.max_pieces
-    acc_ws = torch.empty((slots, cfg.block_m, prob.block_d), dtype=torch.float32, device=q.device)
-    ml_ws = torch.empty((slots, 2, cfg.block_m), dtype=torch.float32, device=q.device)
+    acc_ws, ml_ws = _tail_workspaces(split, cfg.block_m, prob.block_d, q.device)
     vals = values(split, acc_ws, ml_ws)
     _FWD_LAUNCHES.launch((*key, True), (split.n_main + split.n_tail,), _FWD_SLOTS, vals, builder(vals, True))
+    _launch_tail_combine(prob, out, lse, acc_ws, ml_ws, split, cfg.block_m)
+
+
+def _launch_tail_combine(
+    prob: AttnProblem, out: Tensor, lse: Tensor, acc_ws: Tensor, ml_ws: Tensor, split: TailSplit, block_m: int
+) -> None:  # fmt: skip
+    """Merge a :class:`TailSplit`'s partial states (``block_m``-row tiles) into ``out`` and ``lse``."""
+    stride_lb, stride_lh = lse_strides(prob, lse)
+    sq, d = prob.seqlen_q, prob.head_dim
     ob, om, oh = bsh_strides(out, False)
     cvals = (out, lse, acc_ws, ml_ws, stride_lb, stride_lh, sq, split.n_main, split.steps, split.piece_len,
              split.max_pieces)  # fmt: skip
@@ -1083,11 +1151,11 @@ def _launch_fwd(
     def build_combine() -> tuple[list[Any], dict[str, Any]]:
         args = [out, lse, acc_ws, ml_ws, ob, om, oh, stride_lb, stride_lh, prob.nheads, sq, split.n_main,
                 split.steps, split.piece_len, split.max_pieces, 1.0 / (1.0 - prob.dropout_p)]  # fmt: skip
-        kwargs = {"HEAD_DIM": d, "BLOCK_D": prob.block_d, "BLOCK_M": cfg.block_m, "DROPOUT": prob.dropout_p > 0,
+        kwargs = {"HEAD_DIM": d, "BLOCK_D": prob.block_d, "BLOCK_M": block_m, "DROPOUT": prob.dropout_p > 0,
                   "COLS": cols, "num_warps": 4, "num_stages": 1}  # fmt: skip
         return args, kwargs
 
-    ckey = (prob.nheads, d, cfg.block_m, prob.dropout_p, out.dtype, q.device.index, out.stride(),
+    ckey = (prob.nheads, d, block_m, prob.dropout_p, out.dtype, out.device.index, out.stride(),
             aligned(out, lse), int_spec(stride_lb), int_spec(stride_lh))  # fmt: skip
     _COMBINE_LAUNCHES.launch(
         ckey, (split.tail_tiles, prob.block_d // cols), _COMBINE_SLOTS, cvals, build_combine
