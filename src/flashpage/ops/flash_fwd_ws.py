@@ -53,6 +53,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashpage.ops.launch_cache import LaunchCache, aligned, int_spec
+
 __all__ = ["WS_BLOCK_M", "WS_BLOCK_N", "compile_ptx", "launch_ws_fwd"]
 
 # triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; 3.9 has
@@ -389,6 +391,14 @@ def _descriptor(t: Tensor, rows: int, head_dim: int) -> TensorDescriptor:
     )  # fmt: skip
 
 
+# Compiled launches by launch key (see launch_cache): the host cost of ``kernel[grid]`` (argument
+# binding, specialisation, four descriptors' checks) is most of a 1k-token forward's kernel time.
+_LAUNCHES = LaunchCache(_attn_fwd_ws_kernel)
+# Per-call arguments: the descriptors, the LSE / workspace tensors, the LSE strides, the batch-wide
+# sizes and the tail split's numbers.
+_SLOTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 15, 16, 17, 18)
+
+
 def launch_ws_fwd(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, softmax_scale: float, causal: bool,
     stages: int = _STAGES, tail: tuple[int, int, int, int, int] | None = None, acc_ws: Tensor | None = None,
@@ -408,20 +418,32 @@ def launch_ws_fwd(
     batch, sq, nheads, d = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
     bm, bn = WS_BLOCK_M // 2, WS_BLOCK_N
-    n_tiles = batch * nheads * (sq // WS_BLOCK_M)
     if tail is None:
-        n_main, n_tail, tail_work, piece_len, max_pieces = n_tiles, 0, 0, 1, 1
+        n_main, n_tail, tail_work, piece_len, max_pieces = batch * nheads * (sq // WS_BLOCK_M), 0, 0, 1, 1
         acc_ws = ml_ws = lse
     else:
         n_main, n_tail, tail_work, piece_len, max_pieces = tail
     assert acc_ws is not None and ml_ws is not None
-    _attn_fwd_ws_kernel[(n_main + n_tail,)](
-        _descriptor(q, bm, d), _descriptor(k, bn, d), _descriptor(v, bn, d), _descriptor(out, bm, d),
-        lse, acc_ws, ml_ws, lse.stride(0), lse.stride(1), nheads, nheads // nheads_k, batch * nheads, sq, sk,
-        softmax_scale * 1.4426950408889634, n_main, tail_work, piece_len, max_pieces,
-        CAUSAL=causal, TAIL=tail is not None, HEAD_DIM=d, BM=bm, BN=bn, STAGES=stages, CONSUMER_REGS=_CONSUMER_REGS,
-        PRODUCER_REGS=_PRODUCER_REGS, num_warps=4, maxnreg=_MAXNREG,
+    descs = (_descriptor(q, bm, d), _descriptor(k, bn, d), _descriptor(v, bn, d), _descriptor(out, bm, d))
+    ints = (lse.stride(0), lse.stride(1), batch * nheads, sq, sk, n_main, tail_work, piece_len, max_pieces)
+    values = (*descs, lse, acc_ws, ml_ws, *ints)
+    key = (
+        causal, tail is not None, d, stages, q.dtype, q.device.index, nheads, nheads_k, softmax_scale,
+        q.stride(), k.stride(), v.stride(), out.stride(), aligned(q, k, v, out, lse, acc_ws, ml_ws),
+        tuple(int_spec(x) for x in ints),
     )  # fmt: skip
+
+    def build() -> tuple[list[Any], dict[str, Any]]:
+        args = [*descs, lse, acc_ws, ml_ws, ints[0], ints[1], nheads, nheads // nheads_k, *ints[2:5],
+                softmax_scale * 1.4426950408889634, *ints[5:]]  # fmt: skip
+        kwargs = {
+            "CAUSAL": causal, "TAIL": tail is not None, "HEAD_DIM": d, "BM": bm, "BN": bn, "STAGES": stages,
+            "CONSUMER_REGS": _CONSUMER_REGS, "PRODUCER_REGS": _PRODUCER_REGS, "num_warps": 4,
+            "maxnreg": _MAXNREG,
+        }  # fmt: skip
+        return args, kwargs
+
+    _LAUNCHES.launch(key, (n_main + n_tail,), _SLOTS, values, build)
 
 
 def compile_ptx(
