@@ -15,7 +15,9 @@ Measured (H200, torch 2.11, triton 3.6, 2026-12-04; b=1, h=16, s=16384, d=128, b
 SDPA flash 358. So the intra-warpgroup overlap alone, with both warpgroups of the CTA in lockstep, is
 not enough; FA3 adds ping-pong between two consumer warpgroups (one's softmax during the other's
 GEMMs, ordered by barriers), a producer warp for the TMA loads and register reallocation: in Gluon,
-``gl.warp_specialize`` partitions (present in triton 3.6). That is the next step for #4.
+``gl.warp_specialize`` partitions (present in triton 3.6). That kernel is now
+``flashpage.ops.flash_fwd_ws`` (643 TFLOP/s on the same shape); this probe stays as the minimal
+single-partition form of the overlap.
 
 Limits: non-causal only, ``seqlen % BLOCK_M == seqlen % BLOCK_N == 0``, no masking, bf16, contiguous
 ``(batch, heads, seqlen, d)``. Gluon kernels do not run under the Triton interpreter: CUDA sm_90 only.
