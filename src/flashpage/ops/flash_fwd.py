@@ -985,7 +985,7 @@ def ws_applies(
     if not cfg.ws_stages or prob.varlen or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     d, sq, sk = prob.head_dim, prob.seqlen_q, prob.seqlen_k
-    if d not in (64, 128) or sq % 128 or sk % 128 or sq == 0 or prob.softmax_scale <= 0:
+    if d not in (64, 128) or sq % 128 or sk % 128 or sq == 0 or sk == 0 or prob.softmax_scale <= 0:
         return False
     if prob.dropout_p > 0 or prob.softcap > 0 or alibi_slopes is not None or prob.window_left >= 0:
         return False
