@@ -45,20 +45,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashpage.ops.flash_fwd_ws import online_softmax_step as _softmax_step
+
 # triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; 3.9 has
 # async_load / async_store (the old names raise there).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-
-
-@gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale):  # type: ignore[no-untyped-def]
-    """Online softmax of one score tile in base 2: ``(p, m, l, alpha)``."""
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    p = gl.exp2(s * qk_scale - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, m_new, l_i, alpha
 
 
 @gluon.jit

@@ -55,7 +55,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashpage.ops.launch_cache import LaunchCache, aligned, int_spec
 
-__all__ = ["WS_BLOCK_M", "WS_BLOCK_N", "compile_ptx", "launch_ws_fwd"]
+__all__ = ["WS_BLOCK_M", "WS_BLOCK_N", "compile_ptx", "launch_ws_fwd", "online_softmax_step"]
 
 # triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; 3.9 has
 # async_load / async_store (the old names raise there).
@@ -122,7 +122,7 @@ def _n_segments(sched, TAIL: gl.constexpr, BN: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale):
+def online_softmax_step(s, m_i, l_i, qk_scale):
     """Online softmax of one score tile in base 2 (scale folded into the exp2's FMA):
     ``(p, m, l, alpha)``."""
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
@@ -166,7 +166,7 @@ def _kv_step(
     mbarrier.arrive(k_empty.index(nst), count=1)
     if MASK:
         s = _causal_mask(s, q0, kt * BN, off, BM, BN, s_layout)
-    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+    p, m_i, l_i, alpha = online_softmax_step(s, m_i, l_i, qk_scale)
     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
     mbarrier.arrive(v_empty.index(st), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -285,7 +285,7 @@ def _consumer(
         mbarrier.arrive(k_empty.index(st), count=1)
         if CAUSAL:
             s = _causal_mask(s, q0, lo * BN, off, BM, BN, s_layout)
-        p, m_i, l_i, _alpha = _softmax_step(s, m_i, l_i, qk_scale)
+        p, m_i, l_i, _alpha = online_softmax_step(s, m_i, l_i, qk_scale)
 
         n_plain = hi - 1
         if CAUSAL:
