@@ -64,9 +64,12 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 
 WS_BLOCK_M = 128  # query rows per CTA (64 per consumer warpgroup)
 WS_BLOCK_N = 128  # keys per K/V tile
-_STAGES = 2  # K/V ring depth: 3 measured no faster on the H200 (2026-12-04, 587 vs 588 TFLOP/s)
+# Default K/V ring depth; the Hopper table picks per bucket (H200, d=128: 3 stages 643 vs 636 TFLOP/s
+# at 16k, 2 stages 630 vs 599 at 4k).
+_STAGES = 2
 # Registers per thread: 12 warps x 168 = the whole register file; setmaxnreg then moves them to the
-# consumers (2 x 128 threads x 240) from the producer (24). 232 / 40 measured 2.5% slower non-causal.
+# consumers (2 x 128 threads x 240) from the producer (24). In the first probe 232 / 40 read 2.5% slower
+# non-causal and 2% faster causal at d=128 16k: one setting is kept for both.
 _MAXNREG = 168
 _CONSUMER_REGS = 240
 _PRODUCER_REGS = 24
