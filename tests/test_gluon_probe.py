@@ -30,3 +30,22 @@ def test_probe_compiles_for_sm90_with_the_overlap() -> None:
     # Four warpgroup_mma calls (QK^T before and in the loop, PV in and after it), 8 k-steps of 16 each.
     assert ptx.count("wgmma.mma_async") == 32
     assert re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx) == ["0", "1", "0", "0"]
+
+
+def test_paged_decode_probe_compiles_for_sm90_with_its_partitions() -> None:
+    """benchmarks/probes/gluon_paged_decode.py: a 1-warp TMA producer (24 registers) and a consumer
+    warpgroup (232), one K and one V box per page of the 4-page tile."""
+    pytest.importorskip("triton.experimental.gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "probes" / "gluon_paged_decode.py"), "--ptx"],
+        capture_output=True, text=True, env=env, timeout=600, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    ptx = run.stdout
+    assert re.search(r"setmaxnreg.dec.sync.aligned.u32\s+24;", ptx)
+    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+232;", ptx)
+    # 4 pages x (K, V), each 128-column box copied as two 64-column swizzled halves.
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) == 16
+    assert re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx) == ["0", "0"]
