@@ -45,12 +45,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+# The TMA copies under their triton 3.6 / 3.9 names, and the online-softmax step of the library's kernel.
 from flashpage.ops.flash_fwd_ws import online_softmax_step as _softmax_step
-
-# triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; 3.9 has
-# async_load / async_store (the old names raise there).
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+from flashpage.ops.flash_fwd_ws import tma_load, tma_store
 
 
 @gluon.jit

@@ -52,15 +52,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashpage.ops.flash_fwd_ws import online_softmax_step
+from flashpage.ops.flash_fwd_ws import online_softmax_step, tma_load
 
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 ROWS = gl.constexpr(64)  # wgmma's smallest M: the GQA group is padded to it
 
 

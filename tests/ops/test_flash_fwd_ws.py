@@ -10,11 +10,7 @@ not compile).
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +18,9 @@ import torch
 from flashpage.ops.flash_configs import FwdConfig, ws_supported
 from flashpage.ops.flash_fwd import check_attention_inputs, flash_fwd, plan_tail_split, ws_applies
 from flashpage.ops.reference import attention_ref
+from tests.sm90_ptx import sm90_ptx
 from tests.tolerance import assert_close_to_ref
 
-ROOT = Path(__file__).resolve().parents[2]
 WS = FwdConfig(128, 64, 4, 2, True, ws_stages=2)  # Triton fallback: 128 x 64 tiles
 on_hopper = pytest.mark.skipif(
     not (torch.cuda.is_available() and ws_supported(torch.device("cuda"))),
@@ -121,17 +117,11 @@ def test_ws_scope_falls_back_to_triton(shape: tuple[int, ...], opts: dict) -> No
 )
 def test_ws_kernel_compiles_for_sm90_with_its_schedule(d: int, causal: bool, tail: bool) -> None:
     pytest.importorskip("triton.experimental.gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT / "src")
     code = (
         "from flashpage.ops.flash_fwd_ws import compile_ptx; "
         f"print(compile_ptx({d}, causal={causal}, tail={tail}))"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, check=False
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    ptx = run.stdout
+    ptx = sm90_ptx(["-c", code])
     # Three partitions in 12 warps; registers moved from the producer (24) to the consumers (240).
     assert ".reqntid 384" in ptx
     assert re.search(r"setmaxnreg.dec.sync.aligned.u32\s+24;", ptx)

@@ -55,12 +55,20 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashpage.ops.launch_cache import LaunchCache, aligned, int_spec
 
-__all__ = ["WS_BLOCK_M", "WS_BLOCK_N", "compile_ptx", "launch_ws_fwd", "online_softmax_step"]
+__all__ = [
+    "WS_BLOCK_M",
+    "WS_BLOCK_N",
+    "compile_ptx",
+    "launch_ws_fwd",
+    "online_softmax_step",
+    "tma_load",
+    "tma_store",
+]
 
 # triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; 3.9 has
 # async_load / async_store (the old names raise there).
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 WS_BLOCK_M = 128  # query rows per CTA (64 per consumer warpgroup)
 WS_BLOCK_N = 128  # keys per K/V tile
@@ -189,7 +197,7 @@ def _store_output(o_desc, lse_ptr, q_buf, acc, m_i, l_i, b, h, sq, q0, stride_lb
     acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, acc.type.layout))[:, None]
     q_buf.store(acc.to(q_buf.dtype))
     fence_async_shared()
-    _tma_store(o_desc, [b * sq + q0, h * HEAD_DIM], q_buf)
+    tma_store(o_desc, [b * sq + q0, h * HEAD_DIM], q_buf)
     tma.store_wait(pendings=0)
 
 
@@ -227,17 +235,17 @@ def _producer(
             # Mbarriers start with phase 1 complete: the first wait on an "empty" barrier passes.
             mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)
             mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-            _tma_load(q_desc, [b * sq + m0 + c * BM, h * HEAD_DIM], q_bar.index(c), q_smem.index(c))
+            tma_load(q_desc, [b * sq + m0 + c * BM, h * HEAD_DIM], q_bar.index(c), q_smem.index(c))
         for j in range(lo, hi):
             st = it % STAGES
             ph = (it // STAGES) & 1
             row = b * sk + j * BN
             mbarrier.wait(k_empty.index(st), ph ^ 1)
             mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [row, kv_col], k_ready.index(st), k_smem.index(st))
+            tma_load(k_desc, [row, kv_col], k_ready.index(st), k_smem.index(st))
             mbarrier.wait(v_empty.index(st), ph ^ 1)
             mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [row, kv_col], v_ready.index(st), v_smem.index(st))
+            tma_load(v_desc, [row, kv_col], v_ready.index(st), v_smem.index(st))
             it += 1
 
 
