@@ -1005,7 +1005,7 @@ def _launch_ws(
     from flashpage.ops.flash_fwd_ws import WS_BLOCK_M, WS_BLOCK_N, launch_ws_fwd
 
     split = None
-    if cfg.split_tail and not prob.causal:
+    if tail_split_applies(cfg, prob):  # non-causal here: the scope admits no other mask
         if resident is None:
             resident = torch.cuda.get_device_properties(q.device).multi_processor_count
         n_tiles = prob.batch * prob.nheads * (prob.seqlen_q // WS_BLOCK_M)
@@ -1057,7 +1057,7 @@ def _launch_fwd(
 ) -> None:
     """Launch the forward. ``resident``: programs the GPU holds at once, for the tail split
     (default: see :func:`flash_fwd`'s ``resident_programs``)."""
-    if cfg.ws_stages and ws_applies(cfg, prob, q, k, v, out, alibi_slopes):
+    if ws_applies(cfg, prob, q, k, v, out, alibi_slopes):
         _launch_ws(prob, q, k, v, out, lse, cfg, resident)
         return
     d = prob.head_dim

@@ -84,9 +84,17 @@ _PRODUCER_REGS = 24
 
 
 @gluon.jit
+def _piece(pid, n_main, tail_work, piece_len):
+    """Tail program ``pid``'s share ``[it0, it1)`` of the tail's key-tile steps (``TailSplit``)."""
+    it0 = (pid - n_main) * piece_len
+    return it0, gl.minimum(it0 + piece_len, tail_work)
+
+
+@gluon.jit
 def _segment(i, sched, CAUSAL: gl.constexpr, TAIL: gl.constexpr, BM2: gl.constexpr, BN: gl.constexpr):
-    """Segment ``i`` of program ``pid`` (``sched``: see :func:`_attn_fwd_ws_kernel`): ``(b, h, m0, lo, hi, slot)``, query rows
-    ``[m0, m0 + BM2)`` of (``b``, ``h``) over key tiles ``[lo, hi)``. Programs below ``n_main``
+    """Segment ``i`` of this program (``sched``: see :func:`_attn_fwd_ws_kernel`):
+    ``(b, h, m0, lo, hi, slot)``, query rows ``[m0, m0 + BM2)`` of (``b``, ``h``) over key tiles
+    ``[lo, hi)``. Programs below ``n_main``
     have one segment, a whole row tile (``slot = -1``: write the output). A tail program's piece
     covers one or two tiles' key ranges, each ending in workspace ``slot``. Row tiles are numbered
     as ``flash_fwd._tile_coords`` numbers them (row tiles fastest), except causal ones: there all
@@ -99,8 +107,7 @@ def _segment(i, sched, CAUSAL: gl.constexpr, TAIL: gl.constexpr, BM2: gl.constex
     slot = -1  # a constant unless TAIL: launches without a tail split compile no workspace code
     if TAIL and pid >= n_main:
         j = pid - n_main
-        it0 = j * piece_len
-        it1 = gl.minimum(it0 + piece_len, tail_work)
+        it0, it1 = _piece(pid, n_main, tail_work, piece_len)
         t = it0 // kv_tiles + i
         t0 = t * kv_tiles
         lo = gl.maximum(it0, t0) - t0
@@ -126,8 +133,7 @@ def _n_segments(sched, TAIL: gl.constexpr, BN: gl.constexpr):
     kv_tiles = sk // BN
     n = 1
     if TAIL and pid >= n_main:
-        it0 = (pid - n_main) * piece_len
-        it1 = gl.minimum(it0 + piece_len, tail_work)
+        it0, it1 = _piece(pid, n_main, tail_work, piece_len)
         n = (it1 - 1) // kv_tiles - it0 // kv_tiles + 1
     return n
 
