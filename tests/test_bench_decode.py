@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashpage.bench.decode import main
+from flashpage.bench.decode import block_manager_table, main
 from flashpage.ops.paged_decode import default_decode_config
 from flashpage.ops.paged_prefill import default_prefill_config
 
@@ -32,7 +32,7 @@ def test_smoke_run_writes_default_config_rows(tmp_path: Path) -> None:
     for shape in shapes:
         mine = [r for r in decode if (r["batch"], r["ctx"], r["nheads"], r["nheads_k"], r["d"]) == shape]
         planner = {r["dtype"]: r for r in mine if r["variant"] == "planner"}
-        assert {r["variant"] for r in mine} >= {"planner", "contiguous"}
+        assert {r["variant"] for r in mine} >= {"planner", "block-manager", "contiguous"}
         assert set(planner) == {"bfloat16" if torch.cuda.is_available() else "float32", "fp8_e4m3"}
         d = shape[-1]
         fp8 = planner["fp8_e4m3"]
@@ -77,3 +77,15 @@ def test_rows_are_timed_round_robin(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     paged = next(r for r in rows if r.get("variant") == "paged-prefill")
     flash = next(r for r in rows if r.get("variant") == "flash-varlen")
     assert paged["ratio_vs_flash"] == flash["ms"] / paged["ms"]
+
+
+def test_block_manager_table_is_ascending_runs() -> None:
+    """Prompts are one ascending run each, then the lockstep decode interleaves one block per
+    sequence per round: every block used once, each row ascending."""
+    t = block_manager_table(3, 64, 8)  # prompts of 16 tokens (2 blocks), then 6 blocks each
+    assert t.shape == (3, 8) and t.dtype == torch.int32
+    assert sorted(t.flatten().tolist()) == list(range(24))
+    assert t[:, :2].tolist() == [[0, 1], [2, 3], [4, 5]]
+    assert t[:, 2].tolist() == [6, 7, 8] and t[0, 3:].tolist() == [9, 12, 15, 18, 21]
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        block_manager_table(1, 60, 8)

@@ -54,16 +54,16 @@ def test_allocate_append_fork_cow_free_exact_ids() -> None:
     u = bm.usage()
     assert (u.used_blocks, u.allocated_slots, u.used_slots) == (4, 64, 32 + 2 + 2)
 
-    # Free releases tail first; unhashed blocks return to the back of the FIFO free list.
+    # Free releases tail first; unhashed blocks return to the free list.
     bm.free(1)
     assert refs(bm)[:4] == [1, 1, 0, 1]
     assert not bm.has_seq(1) and bm.has_seq(2)
     bm.free(2)
     assert refs(bm) == [0] * 8 and bm.num_free_blocks == 8
     bm.check_integrity()
-    # Free order is now 4,5,6,7, then 2 (freed by seq 1), then 3,1,0 (seq 2, tail first).
+    # Whatever the release order (2, then 3, 1, 0), new blocks come lowest id first: one ascending run.
     assert bm.allocate(3, toks(100, 16 * 8)) == 0
-    assert bm.block_table(3) == [4, 5, 6, 7, 2, 3, 1, 0]
+    assert bm.block_table(3) == [0, 1, 2, 3, 4, 5, 6, 7]
 
 
 def test_cow_multi_token_append_and_fork_at_block_boundary() -> None:
@@ -246,7 +246,7 @@ def test_lru_order_follows_release_time() -> None:
     assert bm.block_table(3) == [0, 1]
     bm.free(3)
     assert bm.allocate(4, toks(900, 24)) == 0
-    assert bm.block_table(4) == [3, 1, 2]
+    assert bm.block_table(4) == [1, 3, 2]  # free blocks lowest id first, then the LRU cached one
     assert bm.is_cached(0) and not bm.is_cached(2)
     bm.check_integrity()
 
@@ -434,3 +434,19 @@ def test_check_integrity_detects_corruption(corrupt, message: str) -> None:  # t
     corrupt(bm)
     with pytest.raises(RuntimeError, match=message):
         bm.check_integrity()
+
+
+def test_fresh_blocks_lowest_id_first_after_churn() -> None:
+    # Released blocks come back in scattered order (tails first, sequences in any order); new tables
+    # still come out ascending, in runs of consecutive ids (paged decode reads those faster).
+    bm = BlockManager(num_blocks=16, block_size=8, enable_prefix_caching=False)
+    for s in range(4):
+        bm.allocate(s, toks(100 * s, 32))  # seq s holds [4s .. 4s+3]
+    bm.free(2)
+    bm.free(0)
+    assert bm.allocate(9, toks(900, 64)) == 0
+    assert bm.block_table(9) == [0, 1, 2, 3, 8, 9, 10, 11]
+    bm.free(3)
+    bm.append_slots(1, 8)  # seq 1 grows into the lowest free block
+    assert bm.block_table(1) == [4, 5, 6, 7, 12]
+    bm.check_integrity()

@@ -4,9 +4,12 @@ Decode rows (``bench="decode"``), GQA 32 q / 8 kv heads and MHA 32/32, d=128, bf
 sequence, paged cache with block size 16 (a random permutation of the blocks):
 
 * ``flashpage``: the split-KV paged decode kernel through ``plan_decode``/``run_decode``, the roofline
-  planner's split count and the default tiles (``variant="planner"``); the same plan over a
-  head-major physical storage of the same logical cache view (``variant="head-major"``: each head's
-  page rows contiguous); ``flash_attn_with_kvcache`` over a contiguous ``(batch, ctx, nheads_k, d)``
+  planner's split count and the default tiles (``variant="planner"``); the same plan over the block
+  tables a fresh :class:`~flashpage.kv.BlockManager` hands out when the batch's prompts (a quarter
+  of ``ctx`` each) are allocated together and then decode in lockstep to ``ctx``
+  (``variant="block-manager"``: ascending runs, the order an engine's tables have, where the
+  ``planner`` row's random permutation is the worst case); ``flash_attn_with_kvcache`` over a
+  contiguous ``(batch, ctx, nheads_k, d)``
   cache, flash-attn's unpaged layout (``variant="contiguous"``); with ``--variants`` also the
   best of a sweep over split counts, ``BLOCK_N``, warps and stages (``variant="best"``); and fp8 e4m3
   KV with per-head scales (``dtype="fp8_e4m3"``, with ``ratio_vs_bf16`` of sequences x tokens / s);
@@ -247,6 +250,28 @@ def _cfg_name(cfg: Any) -> str:
     return str(cfg.short())
 
 
+def block_manager_table(batch: int, ctx: int, block_size: int, prompt_frac: float = 0.25) -> Tensor:
+    """The ``(batch, ctx // block_size)`` int32 block tables (CPU) a fresh :class:`BlockManager` of
+    exactly ``batch * ctx // block_size`` blocks hands out when ``batch`` prompts of ``prompt_frac *
+    ctx`` tokens are allocated together and the sequences then decode in lockstep up to ``ctx``
+    tokens: each prompt one ascending run, then one block per sequence per ``block_size`` steps."""
+    from flashpage.kv.block_manager import BlockManager
+
+    if ctx % block_size:
+        raise ValueError(f"ctx ({ctx}) must be a multiple of block_size ({block_size})")
+    bm = BlockManager(batch * ctx // block_size, block_size, enable_prefix_caching=False)
+    prompt = max(1, int(ctx * prompt_frac))
+    for s in range(batch):
+        bm.allocate(s, [0] * prompt)
+    # Per round, every sequence grows to its next block boundary: the same block order as growing
+    # one token per step, in ctx / block_size rounds instead of ctx.
+    while bm.num_tokens(0) < ctx:
+        for s in range(batch):
+            n = bm.num_tokens(s)
+            bm.append_slots(s, min(ctx, (n // block_size + 1) * block_size) - n)
+    return torch.tensor([bm.block_table(s) for s in range(batch)], dtype=torch.int32)
+
+
 def bench_decode_shape(
     shape: DecodeShape,
     st: BenchSettings,
@@ -293,13 +318,16 @@ def bench_decode_shape(
     ref = _first_sdpa(q4, k_contig, v_contig, scale, gqa)[:, :, 0]
     dtype_name = str(dt).replace("torch.", "")
 
-    def timed_plan(variant: str, p: Any, kc: Tensor, vc: Tensor) -> dict[str, Any]:
-        """Check ``p`` over caches ``kc``/``vc`` against SDPA, time it and add its row."""
-        e = _max_err(run_decode(p, q, kc, vc, block_table, seqlens), ref)
+    def timed_plan(
+        variant: str, p: Any, kc: Tensor, vc: Tensor, bt: Tensor = block_table, want: Tensor = ref
+    ) -> dict[str, Any]:
+        """Check ``p`` over caches ``kc``/``vc`` and table ``bt`` against SDPA's ``want``, time it and
+        add its row."""
+        e = _max_err(run_decode(p, q, kc, vc, bt, seqlens), want)
         if e > _TOL:
             notes.append(f"flashpage {variant} b={b} ctx={ctx} h={h}/{hk}: max err {e:.3g} vs SDPA")
         return row(
-            "flashpage", lambda: run_decode(p, q, kc, vc, block_table, seqlens), kv_bytes, dtype_name,
+            "flashpage", lambda: run_decode(p, q, kc, vc, bt, seqlens), kv_bytes, dtype_name,
             variant=variant, num_splits=p.num_splits, config=_cfg_name(p.config), max_err=e, block_size=bs,
         )  # fmt: skip
 
@@ -310,13 +338,14 @@ def bench_decode_shape(
         lambda: run_decode(plan, q, k_cache, v_cache, block_table, seqlens), device, time_ms
     )
 
-    # The same plan over a head-major physical storage of the same logical (blocks, bs, hk, d)
-    # view: a program then reads its head's page rows as one contiguous run (bs * d elements)
-    # instead of d-element rows strided by nheads_k * d. Tells whether DRAM locality is part of
-    # the gap to cuDNN's contiguous cache (the kernels take any cache strides).
-    if hk > 1:
-        k_hm, v_hm = (c.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for c in (k_cache, v_cache))
-        timed_plan("head-major", plan, k_hm, v_hm)
+    # The same plan over the tables an engine's block manager builds (ascending runs); its own
+    # SDPA reference, since the table maps other blocks.
+    bm_table = block_manager_table(b, ctx, bs).to(device)
+    bm_ref = _first_sdpa(
+        q4, *(c[bm_table.long()].reshape(b, ctx, hk, d).transpose(1, 2).contiguous() for c in (k_cache, v_cache)),
+        scale, gqa,
+    )[:, :, 0]  # fmt: skip
+    timed_plan("block-manager", plan, k_cache, v_cache, bm_table, bm_ref)
 
     # The public flash-attn entry point on its unpaged layout (the planner's split count, the
     # contiguous-cache tiles; validate=False: no host sync inside the timed call).

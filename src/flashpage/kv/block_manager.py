@@ -32,8 +32,9 @@ of sequence tables that hold it; the hash map and the per-block hashes are a bij
 from __future__ import annotations
 
 import hashlib
+import heapq
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -106,9 +107,12 @@ class _SeqState:
 class BlockManager:
     """Allocates KV blocks to sequences with refcounts, copy-on-write and a prefix cache.
 
-    Block ids are ``0 .. num_blocks-1``; fresh blocks come from the free list in FIFO order
-    (initially ascending ids, then in the order they were freed), evictable cached blocks only when
-    the free list is empty (least recently released first).
+    Block ids are ``0 .. num_blocks-1``; a fresh block is the lowest free id, an evictable cached
+    block only when nothing is free (least recently released first). Lowest-id-first keeps a
+    sequence's blocks in ascending, mostly consecutive runs even after many sequences have come and
+    gone, where a FIFO free list hands out blocks in the (scattered) order they were freed: paged
+    decode reads randomly ordered pages ~1% slower (H200, block size 16,
+    ``benchmarks/probes/decode_page_order.py``).
 
     Args:
         num_blocks: physical blocks in the cache.
@@ -133,7 +137,8 @@ class BlockManager:
         # Chain hash and (parent hash, tokens) of each registered block, None when unregistered.
         self._hash: list[bytes | None] = [None] * num_blocks
         self._key: list[tuple[bytes, tuple[int, ...]] | None] = [None] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        # Min-heap of free block ids (ascending ids are already a heap).
+        self._free: list[int] = list(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._hash_to_block: dict[bytes, int] = {}
         self._seqs: dict[int, _SeqState] = {}
@@ -376,7 +381,7 @@ class BlockManager:
         Lifetime hit-rate counters are kept.
         """
         for b in self._evictable:
-            self._free.append(b)
+            heapq.heappush(self._free, b)
         self._evictable.clear()
         for b in self._hash_to_block.values():
             self._hash[b] = None
@@ -503,12 +508,12 @@ class BlockManager:
             if self._hash[b] is not None:
                 self._evictable[b] = None  # most recently released: evicted last
             else:
-                self._free.append(b)
+                heapq.heappush(self._free, b)
 
     def _pop_free_block(self) -> int:
         """A block with refcount 1 for the caller: from the free list, else evict the LRU cached one."""
         if self._free:
-            b = self._free.popleft()
+            b = heapq.heappop(self._free)
         else:
             b, _ = self._evictable.popitem(last=False)
             h = self._hash[b]

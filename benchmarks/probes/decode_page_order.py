@@ -1,0 +1,217 @@
+"""Probe (not part of the library): how much of paged decode's gap to cuDNN is page order, how much
+is split count / wave tail, and how much is the attention math over a pure read (issue #5).
+
+For each decode shape (GQA 32/8, d=128, bf16, block size 16) and several block tables over the same
+cache, in one run on one GPU, interleaved in round-robin rounds (fastest round kept):
+
+* ``cudnn``: SDPA cuDNN on a contiguous ``(b, hk, ctx, d)`` cache, the target;
+* ``decode``: the library's ``run_decode`` (default tiles) at several split counts, and at the
+  planner's split count with 80 registers, 128- or 32-token tiles or 8 warps (``variant``);
+* ``read``: a pure-read Triton kernel with the decode kernel's grid and tiles (64-token tiles
+  gathered from the table, K and V summed, no attention math): the ceiling of that access pattern.
+
+Block tables: ``rand`` (a random permutation: the bench's worst case), ``seq`` (ascending ids),
+``run8`` / ``run64`` (runs of 8 / 64 consecutive blocks in random run order), ``grp64`` (each
+aligned group of 64 blocks, 2 MiB of K at this shape, in random order inside the group, groups in
+order: TLB reach kept, DRAM row order lost), ``bm`` (the tables :class:`~flashpage.kv.BlockManager`
+hands out when ``batch`` sequences with prompts of a quarter of ``ctx`` then decode in lockstep:
+``flashpage.bench.decode.block_manager_table``).
+
+Run on the GPU: ``PYTHONPATH=src python benchmarks/probes/decode_page_order.py [out.json]``;
+``DEV=cpu TRITON_INTERPRET=1`` with ``--tiny`` checks the script on a CPU. ``SHAPES=b:ctx:s1/s2,...``,
+``TABLES=rand,seq`` and ``NOVAR=1`` (no tile variants) narrow a run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from flashpage.bench.decode import block_manager_table
+from flashpage.ops.paged_decode import default_decode_config
+from flashpage.ops.paged_plan import plan_decode, run_decode
+
+
+@triton.jit
+def _read_kernel(K, V, Out, BT, SeqlensK, num_splits, stride_kb, stride_kt, stride_kh, stride_btb,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):  # fmt: skip
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    ctx = tl.load(SeqlensK + b)
+    n_tiles = tl.cdiv(ctx, BLOCK_N)
+    per = tl.cdiv(n_tiles, num_splits)
+    lo = split * per * BLOCK_N
+    hi = tl.minimum(lo + per * BLOCK_N, ctx)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    acc = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    bt = BT + b.to(tl.int64) * stride_btb
+    for s in range(lo, hi, BLOCK_N):
+        j = s + offs_n
+        blk = tl.load(bt + j // PAGE)
+        off = blk * stride_kb + (j % PAGE) * stride_kt + kvh * stride_kh
+        k = tl.load(K + off[:, None] + offs_d[None, :])
+        v = tl.load(V + off[:, None] + offs_d[None, :])
+        acc += k.to(tl.float32) + v.to(tl.float32)  # reduced once at the end: no per-tile shuffles
+    tl.store(Out + ((b * tl.num_programs(0) + kvh) * num_splits + split) * D + offs_d, tl.sum(acc, 0))
+
+
+def read_all(k: Tensor, v: Tensor, bt: Tensor, seqlens: Tensor, splits: int, out: Tensor) -> Tensor:
+    b, hk, d, page = bt.shape[0], k.shape[2], k.shape[3], k.shape[1]
+    _read_kernel[(hk, splits, b)](k, v, out, bt, seqlens, splits, k.stride(0), k.stride(1), k.stride(2),
+                                  bt.stride(0), PAGE=page, BLOCK_N=64, D=d, num_warps=4, num_stages=2)  # fmt: skip
+    return out
+
+
+def tables(b: int, ctx: int, bs: int, gen: torch.Generator) -> dict[str, Tensor]:
+    """The block tables (``(b, ctx // bs)`` int64 on the CPU) this probe compares."""
+    n = b * ctx // bs
+    out: dict[str, Tensor] = {"rand": torch.randperm(n, generator=gen), "seq": torch.arange(n)}
+    for r in (8, 64):
+        runs = torch.randperm(n // r, generator=gen)
+        out[f"run{r}"] = (runs[:, None] * r + torch.arange(r)).flatten()
+    grp = torch.stack([torch.randperm(64, generator=gen) for _ in range(n // 64)])
+    out["grp64"] = (grp + torch.arange(n // 64)[:, None] * 64).flatten()
+    out["bm"] = block_manager_table(b, ctx, bs).flatten().long()
+    return {k: v.view(b, ctx // bs) for k, v in out.items()}
+
+
+def probe_shape(
+    b: int,
+    ctx: int,
+    split_list: tuple[int, ...],
+    dev: torch.device,
+    gen: torch.Generator,
+    tiny: bool,
+    bench: Callable[[Callable[[], Any]], float],
+) -> list[dict[str, Any]]:
+    """Rows of one ``(batch, ctx)`` shape, timed in round-robin rounds."""
+    dt = torch.bfloat16
+    h, hk, d, bs = 32, 8, 128, 16
+    results: list[dict[str, Any]] = []
+    nblk = b * ctx // bs
+    kc = torch.randn(nblk, bs, hk, d, device=dev, dtype=dt)
+    vc = torch.randn_like(kc)
+    seqlens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn(b, h, d, device=dev, dtype=dt)
+    kv_bytes = 2 * b * ctx * hk * d * 2
+    rows: list[tuple[dict[str, Any], Callable[[], Any]]] = []
+    tabs = tables(b, ctx, bs, gen)
+    keep = os.environ.get("TABLES")
+    for name, t in tabs.items():
+        if keep and name not in keep.split(","):
+            continue
+        bt = t.to(torch.int32).to(dev)
+        kk = kc[t.to(dev)].reshape(b, ctx, hk, d).transpose(1, 2)
+        vv = vc[t.to(dev)].reshape(b, ctx, hk, d).transpose(1, 2)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.unsqueeze(2), kk.contiguous(), vv.contiguous(), enable_gqa=True
+        )[:, :, 0].float()
+        if name == "rand" and dev.type == "cuda":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            kct, vct = kk.contiguous(), vv.contiguous()
+
+            def cudnn(kct: Tensor = kct, vct: Tensor = vct) -> Tensor:
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        q.unsqueeze(2), kct, vct, enable_gqa=True
+                    )
+
+            rows.append(({"impl": "cudnn"}, cudnn))
+        del kk, vv
+        splits = split_list if name in ("rand", "seq") else (0,)
+        for ns in splits:
+            plan = plan_decode(b, h, hk, d, block_size=bs, max_seqlen_k=ctx, q_dtype=dt, device=dev,
+                               num_splits=ns)  # fmt: skip
+            err = (run_decode(plan, q, kc, vc, bt, seqlens).float() - ref).abs().max().item()
+            assert err < 2e-2, (name, ns, err)
+            rows.append((
+                {"impl": "decode", "table": name, "splits": plan.num_splits, "req": ns},
+                lambda plan=plan, bt=bt: run_decode(plan, q, kc, vc, bt, seqlens),
+            ))  # fmt: skip
+        # Tile / register variants at the planner's split count.
+        base_cfg = default_decode_config(dt, d)
+        variants = {
+            "r80": replace(base_cfg, maxnreg=80),
+            "n128": replace(base_cfg, block_n=128),
+            "n32": replace(base_cfg, block_n=32),
+            "w8": replace(base_cfg, num_warps=8),
+        }
+        for vname, cfg in variants.items() if name in ("rand", "seq") and not os.environ.get("NOVAR") else ():
+            plan = plan_decode(b, h, hk, d, block_size=bs, max_seqlen_k=ctx, q_dtype=dt, device=dev,
+                               config=cfg)  # fmt: skip
+            err = (run_decode(plan, q, kc, vc, bt, seqlens).float() - ref).abs().max().item()
+            assert err < 2e-2, (name, vname, err)
+            rows.append((
+                {"impl": "decode", "table": name, "splits": plan.num_splits, "variant": vname},
+                lambda plan=plan, bt=bt: run_decode(plan, q, kc, vc, bt, seqlens),
+            ))  # fmt: skip
+        ns_r = plan_decode(b, h, hk, d, block_size=bs, max_seqlen_k=ctx, q_dtype=dt, device=dev).num_splits
+        buf = torch.empty(b * hk * ns_r * d, device=dev, dtype=torch.float32)
+        got = read_all(kc, vc, bt, seqlens, ns_r, buf).view(b, hk, ns_r, d).sum(2)
+        want = (kc[t.to(dev)].float() + vc[t.to(dev)].float()).sum((1, 2)).view(b, -1, hk, d).sum(1)
+        assert torch.allclose(got, want, atol=1e-1 * (ctx**0.5)), name
+        rows.append(({"impl": "read", "table": name, "splits": ns_r},
+                     lambda bt=bt, ns_r=ns_r, buf=buf: read_all(kc, vc, bt, seqlens, ns_r, buf)))  # fmt: skip
+    times: list[list[float]] = [[] for _ in rows]
+    for _ in range(1 if tiny else 2):
+        for i, (_, fn) in enumerate(rows):
+            times[i].append(bench(fn))
+    base = min(next(t for (r, _), t in zip(rows, times, strict=True) if r["impl"] == "cudnn"), default=None) \
+        if dev.type == "cuda" else None  # fmt: skip
+    for (r, _), t in zip(rows, times, strict=True):
+        ms = min(t)
+        r.update(batch=b, ctx=ctx, ms=ms, ms_rounds=t, tbps=kv_bytes / ms / 1e9)
+        if base:
+            r["pct_cudnn"] = 100 * base / ms
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    return results
+
+
+def main() -> None:
+    tiny = "--tiny" in sys.argv
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    dev = torch.device(os.environ.get("DEV", "cuda"))
+    shapes = [(2, 512, (1, 2))] if tiny else [
+        (32, 32768, (1, 2, 3, 4, 8, 16)), (64, 4096, (1, 2, 3, 4, 8)), (256, 4096, (1, 2, 4)),
+        (1, 131072, (32, 64, 128)),
+    ]  # fmt: skip
+    if os.environ.get("SHAPES"):  # e.g. SHAPES=33:32768:2,66:4096:1
+        shapes = [
+            (int(b), int(c), tuple(int(x) for x in s.split("/")))
+            for b, c, s in (item.split(":") for item in os.environ["SHAPES"].split(","))
+        ]
+    from triton.testing import do_bench
+
+    def bench(fn: Callable[[], Any]) -> float:
+        if dev.type != "cuda":
+            fn()
+            return 1.0
+        return float(do_bench(fn, warmup=15, rep=60, return_mode="median"))
+
+    gen = torch.Generator().manual_seed(0)
+    results: list[dict[str, Any]] = []
+    for b, ctx, split_list in shapes:
+        results += probe_shape(b, ctx, split_list, dev, gen, tiny, bench)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    out = args[0] if args else os.path.join(os.environ.get("OUT", "."), "decode_page_order.json")
+    with open(out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "rows": results},
+                  f, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
