@@ -868,9 +868,10 @@ def main(argv: list[str] | None = None) -> int:
     note = (
         "Decode: one new token per sequence, paged KV at block size 16 (random block order) for flashpage, "
         "gather-sdpa and flashinfer, except flashpage's block-manager rows (the tables a fresh BlockManager "
-        "hands out: prompts of ctx/4 allocated together, then lockstep decode); contiguous KV for sdpa-*/flash-attn. tbps = KV bytes read / time; "
-        "frac_of_roofline = tbps / device-copy bandwidth measured in the same run. Prefill: chunked prefill "
-        "(new tokens after a cached prefix), TFLOP/s over the visible (bottom-right causal) pairs."
+        "hands out: prompts of ctx/4 allocated together, then lockstep decode); contiguous KV for "
+        "sdpa-*/flash-attn. tbps = KV bytes read / time; frac_of_roofline = tbps / device-copy bandwidth "
+        "measured in the same run. Prefill: chunked prefill (new tokens after a cached prefix), TFLOP/s over "
+        "the visible (bottom-right causal) pairs."
     )
     if args.smoke:
         out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="flashpage-bench-"))
