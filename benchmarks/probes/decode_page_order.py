@@ -4,7 +4,7 @@ is split count / wave tail, and how much is the attention math over a pure read 
 For each decode shape (GQA 32/8, d=128, bf16, block size 16) and several block tables over the same
 cache, in one run on one GPU, interleaved in round-robin rounds (fastest round kept):
 
-* ``cudnn``: SDPA cuDNN on a contiguous ``(b, hk, ctx, d)`` cache, the target;
+* ``cudnn``: SDPA cuDNN on a contiguous ``(b, hk, ctx, d)`` cache, the target (timed once per shape);
 * ``decode``: the library's ``run_decode`` (default tiles) at several split counts, and at the
   planner's split count with 80 registers, 128- or 32-token tiles or 8 warps (``variant``);
 * ``read``: a pure-read Triton kernel with the decode kernel's grid and tiles (64-token tiles
@@ -67,6 +67,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from flashpage.bench.common import do_bench_ms, round_robin
 from flashpage.bench.decode import block_manager_table
 from flashpage.ops.paged_decode import default_decode_config
 from flashpage.ops.paged_plan import plan_decode, run_decode
@@ -143,17 +144,19 @@ def probe_shape(
         if keep and name not in keep.split(","):
             continue
         bt = t.to(torch.int32).to(dev)
-        kk = kc[t.to(dev)].reshape(b, ctx, hk, d).transpose(1, 2)
-        vv = vc[t.to(dev)].reshape(b, ctx, hk, d).transpose(1, 2)
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            q.unsqueeze(2), kk.contiguous(), vv.contiguous(), enable_gqa=True
-        )[:, :, 0].float()
-        if name == "rand" and dev.type == "cuda":
+        # The table's logical cache, contiguous (b, hk, ctx, d): SDPA's reference, the read check and,
+        # for the first table, the cuDNN row (its timing does not depend on which blocks were gathered).
+        kk = kc[t.to(dev)].reshape(b, ctx, hk, d).transpose(1, 2).contiguous()
+        vv = vc[t.to(dev)].reshape(b, ctx, hk, d).transpose(1, 2).contiguous()
+        ref = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, enable_gqa=True)[
+            :, :, 0
+        ]
+        ref = ref.float()
+        want_read = (kk.float() + vv.float()).sum(2)  # (b, hk, d)
+        if not rows and dev.type == "cuda":
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            kct, vct = kk.contiguous(), vv.contiguous()
-
-            def cudnn(kct: Tensor = kct, vct: Tensor = vct) -> Tensor:
+            def cudnn(kct: Tensor = kk, vct: Tensor = vv) -> Tensor:
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return torch.nn.functional.scaled_dot_product_attention(
                         q.unsqueeze(2), kct, vct, enable_gqa=True
@@ -188,17 +191,18 @@ def probe_shape(
         ns_r = plan_decode(b, h, hk, d, block_size=bs, max_seqlen_k=ctx, q_dtype=dt, device=dev).num_splits
         buf = torch.empty(b * hk * ns_r * d, device=dev, dtype=torch.float32)
         got = read_all(kc, vc, bt, seqlens, ns_r, buf).view(b, hk, ns_r, d).sum(2)
-        want = (kc[t.to(dev)].float() + vc[t.to(dev)].float()).sum((1, 2)).view(b, -1, hk, d).sum(1)
-        assert torch.allclose(got, want, atol=1e-1 * (ctx**0.5)), name
+        assert torch.allclose(got, want_read, atol=1e-1 * (ctx**0.5)), name
         rows.append(({"impl": "read", "table": name, "splits": ns_r},
                      lambda bt=bt, ns_r=ns_r, buf=buf: read_all(kc, vc, bt, seqlens, ns_r, buf)))  # fmt: skip
-    times: list[list[float]] = [[] for _ in rows]
-    for _ in range(1 if tiny else 2):
-        for i, (_, fn) in enumerate(rows):
-            times[i].append(bench(fn))
-    base = min(next(t for (r, _), t in zip(rows, times, strict=True) if r["impl"] == "cudnn"), default=None) \
-        if dev.type == "cuda" else None  # fmt: skip
+
+    def failed(item: tuple[dict[str, Any], Callable[[], Any]], exc: Exception) -> None:
+        print(f"{item[0]} b={b} ctx={ctx}: {type(exc).__name__}: {exc}", flush=True)
+
+    times = round_robin(rows, lambda item: bench(item[1]), 1 if tiny else 2, failed)
+    base = min(times[0]) if rows and rows[0][0]["impl"] == "cudnn" and times[0] else None
     for (r, _), t in zip(rows, times, strict=True):
+        if t is None:
+            continue
         ms = min(t)
         r.update(batch=b, ctx=ctx, ms=ms, ms_rounds=t, tbps=kv_bytes / ms / 1e9)
         if base:
@@ -221,13 +225,12 @@ def main() -> None:
             (int(b), int(c), tuple(int(x) for x in s.split("/")))
             for b, c, s in (item.split(":") for item in os.environ["SHAPES"].split(","))
         ]
-    from triton.testing import do_bench
 
     def bench(fn: Callable[[], Any]) -> float:
-        if dev.type != "cuda":
+        if dev.type != "cuda":  # the interpreter: run once, no timing
             fn()
             return 1.0
-        return float(do_bench(fn, warmup=15, rep=60, return_mode="median"))
+        return do_bench_ms(fn, warmup=15, rep=60)
 
     gen = torch.Generator().manual_seed(0)
     results: list[dict[str, Any]] = []

@@ -298,9 +298,13 @@ def bench_decode_shape(
     q = torch.randn(b, h, d, device=device, dtype=dt)
     scale = d**-0.5
     table = block_table.long()
-    # Same values, contiguous (batch, nheads_k, ctx, d), for the SDPA baselines.
-    k_contig = k_cache[table].reshape(b, ctx, hk, d).transpose(1, 2).contiguous()
-    v_contig = v_cache[table].reshape(b, ctx, hk, d).transpose(1, 2).contiguous()
+
+    def logical(cache: Tensor, tbl: Tensor) -> Tensor:
+        """The sequences' KV under block table ``tbl``, contiguous ``(batch, nheads_k, ctx, d)``."""
+        return cache[tbl.long()].reshape(b, ctx, hk, d).transpose(1, 2).contiguous()
+
+    # Same values, contiguous, for the SDPA baselines.
+    k_contig, v_contig = logical(k_cache, table), logical(v_cache, table)
     q4 = q.unsqueeze(2)  # (b, h, 1, d)
     gqa = {"enable_gqa": True} if h != hk else {}
     kv_bytes = 2 * b * ctx * hk * d * k_cache.element_size()
@@ -341,10 +345,7 @@ def bench_decode_shape(
     # The same plan over the tables an engine's block manager builds (ascending runs); its own
     # SDPA reference, since the table maps other blocks.
     bm_table = block_manager_table(b, ctx, bs).to(device)
-    bm_ref = _first_sdpa(
-        q4, *(c[bm_table.long()].reshape(b, ctx, hk, d).transpose(1, 2).contiguous() for c in (k_cache, v_cache)),
-        scale, gqa,
-    )[:, :, 0]  # fmt: skip
+    bm_ref = _first_sdpa(q4, logical(k_cache, bm_table), logical(v_cache, bm_table), scale, gqa)[:, :, 0]
     timed_plan("block-manager", plan, k_cache, v_cache, bm_table, bm_ref)
 
     # The public flash-attn entry point on its unpaged layout (the planner's split count, the
