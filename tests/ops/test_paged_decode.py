@@ -10,17 +10,21 @@ import torch
 from torch import Tensor
 
 from flashpage.ops.cache_write import fp8_kv_scales, reshape_and_cache
+from flashpage.ops.launch_cache import cdiv
 from flashpage.ops.paged_decode import (
     PagedAttnConfig,
     choose_num_splits,
     default_decode_config,
     default_num_sms,
+    kv_heads_per_program,
     paged_decode,
     paged_grid,
+    paged_tiles,
     wide_offsets,
 )
 from flashpage.ops.paged_plan import plan_decode, run_decode
 from flashpage.ops.reference import paged_attention_ref
+from flashpage.roofline.planner import choose_heads_per_program
 from tests.tolerance import assert_close_to_ref
 
 
@@ -222,7 +226,39 @@ def test_grid_order_and_decode_defaults() -> None:
     plan = plan_decode(
         2, 8, 2, 32, block_size=16, max_seqlen_k=256, q_dtype=torch.float32, device="cpu", num_splits=3
     )
+    assert plan.grid == (1, 3, 2)  # both KV heads (group 4: 8 rows) in one program
+    one = replace(cfg, heads_per_program=1)
+    plan = plan_decode(
+        2, 8, 2, 32, block_size=16, max_seqlen_k=256, q_dtype=torch.float32, device="cpu", num_splits=3,
+        config=one,
+    )  # fmt: skip
     assert plan.grid == (2, 3, 2)
+
+
+def test_heads_per_program_rule() -> None:
+    """Auto (0) fills 16 query rows, lowered to a power of two dividing nheads_k and block_n; fp8
+    caches and TMA tiles keep one head; the planner counts head-group programs and tile tokens."""
+    auto = default_decode_config(torch.bfloat16, 128)
+    assert auto.heads_per_program == 0
+    assert default_decode_config(torch.float8_e4m3fn, 128).heads_per_program == 1
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    assert kv_heads_per_program(auto, 1, 4, 8, bf16) == 4  # Llama-3 GQA 32/8
+    assert kv_heads_per_program(auto, 1, 8, 8, bf16) == 2
+    assert kv_heads_per_program(auto, 1, 1, 32, bf16) == 16  # MHA
+    assert kv_heads_per_program(auto, 1, 1, 6, bf16) == 2  # 6 KV heads: largest power-of-two divisor
+    assert kv_heads_per_program(auto, 4, 4, 8, bf16) == 1  # 16 rows already
+    assert kv_heads_per_program(auto, 2, 3, 8, bf16) == 2  # 6 rows -> 8: 2 heads
+    assert kv_heads_per_program(auto, 1, 4, 8, fp8) == 1
+    assert kv_heads_per_program(replace(auto, use_tma=True), 1, 4, 8, bf16) == 1
+    assert kv_heads_per_program(replace(auto, block_n=16, heads_per_program=32), 1, 1, 64, bf16) == 16
+    t = paged_tiles(auto, 1, 32, 8, bf16)
+    assert (t.block_m, t.q_tiles, t.heads, t.head_programs, t.tile_tokens) == (16, 1, 4, 2, 16)
+    t = paged_tiles(auto, 3, 32, 8, bf16)  # 12 rows per head: one head, one 16-row tile
+    assert (t.block_m, t.q_tiles, t.heads, t.head_programs, t.tile_tokens) == (16, 1, 1, 8, 64)
+    t = paged_tiles(replace(auto, block_m=16), 6, 32, 8, bf16)  # 24 rows: 2 tiles of 4 tokens
+    assert (t.block_m, t.q_tiles, t.heads, t.head_programs, t.tile_tokens) == (16, 2, 1, 8, 64)
+    with pytest.raises(ValueError, match="heads_per_program"):
+        PagedAttnConfig(heads_per_program=3)
 
 
 def test_head_major_cache_storage() -> None:
@@ -330,9 +366,13 @@ def test_plan_run_matches_and_never_syncs(monkeypatch: pytest.MonkeyPatch, devic
         device=device,
         num_splits=0,
     )
+    sms = default_num_sms(torch.device(device))
+    heads = choose_heads_per_program(3, nheads_k, 2, 70, sms)  # up to 2: group 4 fills 8 rows
+    tiles = paged_tiles(plan.config, 1, nheads, nheads_k, torch.float32)
+    assert plan.config.heads_per_program == tiles.heads == heads
     assert plan.num_splits == min(
-        choose_num_splits(3, nheads_k, 70, default_num_sms(torch.device(device))), 2
-    ) and plan.grid == (nheads_k, plan.num_splits, 3)
+        choose_num_splits(3, nheads_k // heads, 70, sms), cdiv(70, tiles.tile_tokens)
+    ) and plan.grid == (nheads_k // heads, plan.num_splits, 3)
     plan3 = plan_decode(
         3, nheads, nheads_k, d, block_size=16, max_seqlen_k=70, q_dtype=torch.float32, device=device,
         num_splits=3, config=PagedAttnConfig(block_n=16),
@@ -347,8 +387,9 @@ def test_plan_run_matches_and_never_syncs(monkeypatch: pytest.MonkeyPatch, devic
         q_dtype=torch.float32,
         device=device,
         num_splits=3,
+        config=replace(plan.config, heads_per_program=1),
     )
-    assert clamped.num_splits == 2  # 70 keys are only two 64-key tiles
+    assert clamped.num_splits == 2  # 70 keys are only two 64-key tiles (one head per program)
     assert plan3.workspace is not None and plan3.workspace[0].shape == (3, nheads, 3, d)
 
     def no_sync(*args: object, **kwargs: object) -> None:
@@ -401,3 +442,37 @@ def test_decode_errors() -> None:
         paged_decode(q, kc, vc, bt, sl, num_splits=-1)
     with pytest.raises(ValueError, match="k_scale"):
         paged_decode(q, kc, vc, bt, sl, k_scale=torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    ("block_size", "nheads", "nheads_k", "lens", "heads", "block_n"),
+    [
+        (16, 8, 4, [1, 37, 64], 2, 64),  # 2 KV heads: 32-token tiles over 16-token pages (gathered)
+        (16, 16, 4, [3, 70, 48], 4, 64),  # 4 KV heads: one page per tile
+        (8, 16, 4, [8, 29, 70], 4, 16),  # 4-token tiles inside 8-token pages
+        (32, 4, 4, [96, 5], 0, 64),  # MHA, auto: all 4 heads (16-token tiles in 32-token pages)
+        (16, 12, 4, [50, 17], 0, 32),  # group 3, auto: 4 heads, 12 real rows of 16
+    ],
+)
+def test_multi_head_programs(
+    block_size: int, nheads: int, nheads_k: int, lens: list[int], heads: int, block_n: int
+) -> None:
+    """Programs owning several KV heads (each token's heads read as one run, ``Q K^T`` masked to
+    pairs of the same head) equal the reference for decode and multi-query rows, split or not, with
+    the options that mask per row or column (window, ALiBi, softcap) and the in-kernel combine."""
+    d = 32
+    kc, vc, bt, sl = make_paged_cache(lens, block_size, nheads_k, d)
+    base = PagedAttnConfig(block_n=block_n, heads_per_program=heads)
+    for sq, kw, cfg in (
+        (1, {}, base),
+        (1, {"window_size": (20, 0), "softcap": 2.0}, replace(base, heads_first=True, combine_block_d=16)),
+        (2, {"alibi_slopes": torch.rand(len(lens), nheads)}, replace(base, fused_combine=True)),
+        (1, {}, replace(base, prefetch_table=True, early_v=True)),
+    ):
+        q = torch.randn(len(lens), sq, nheads, d)
+        ref, ref_lse, same = _refs(q, kc, vc, bt, sl, causal=True, **kw)
+        for splits in (1, 3):
+            out, lse = paged_decode(q, kc, vc, bt, sl, num_splits=splits, config=cfg, return_lse=True, **kw)  # type: ignore[arg-type]
+            assert_close_to_ref(out, ref, same)
+            fin = torch.isfinite(ref_lse)
+            torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)

@@ -7,7 +7,13 @@ import torch
 
 from flashpage.roofline.hardware import load_profile
 from flashpage.roofline.model_shapes import get_model_shape
-from flashpage.roofline.planner import KernelChoice, choose_num_splits, plan, plan_attention
+from flashpage.roofline.planner import (
+    KernelChoice,
+    choose_heads_per_program,
+    choose_num_splits,
+    plan,
+    plan_attention,
+)
 
 # shared/anchors/triton-paged-decode-h200-2026-12-02.json: Triton paged split-KV decode, GQA 32q/8kv
 # heads, d=128, bf16, on the H200 (132 SMs). TB/s per split count; the best is the split to pick.
@@ -39,6 +45,23 @@ def test_num_splits_caps() -> None:
     assert choose_num_splits(32, 8, 32768, 108) == 1
     with pytest.raises(ValueError, match="batch"):
         choose_num_splits(0, 8, 1024, 132)
+
+
+@pytest.mark.parametrize(
+    ("batch", "ctx", "nheads_k", "most", "want"),
+    [
+        (256, 4096, 8, 4, 1),  # one head fills the GPU without a split
+        (64, 4096, 8, 4, 1),
+        (32, 32768, 8, 4, 4),  # one head needs splits anyway: 4 heads, 8 splits
+        (1, 131072, 8, 4, 2),  # 4 heads would need 256 splits (cap 128): 2 heads, 128 splits
+        (64, 4096, 32, 16, 1),  # MHA
+        (8, 32768, 32, 16, 16),  # MHA: 16 heads, 32 splits
+        (1, 1024, 8, 4, 1),  # too short to fill the GPU with any: one head (most programs)
+        (16, 32768, 6, 4, 2),  # 6 KV heads: powers of two dividing it
+    ],
+)
+def test_heads_per_program_rule(batch: int, ctx: int, nheads_k: int, most: int, want: int) -> None:
+    assert choose_heads_per_program(batch, nheads_k, most, ctx, 132) == want
 
 
 GQA = {"nheads": 32, "nheads_k": 8, "head_dim": 128}

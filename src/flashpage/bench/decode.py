@@ -342,6 +342,14 @@ def bench_decode_shape(
         lambda: run_decode(plan, q, k_cache, v_cache, block_table, seqlens), device, time_ms
     )
 
+    # One KV head per program (the tiling before several-head programs), same table, same run.
+    if plan.config.heads_per_program > 1:
+        one_head = replace(plan.config, heads_per_program=1)
+        p1 = plan_decode(
+            b, h, hk, d, block_size=bs, max_seqlen_k=ctx, q_dtype=dt, device=device, config=one_head
+        )
+        timed_plan("one-head", p1, k_cache, v_cache)
+
     # The same plan over the tables an engine's block manager builds (ascending runs); its own
     # SDPA reference, since the table maps other blocks.
     bm_table = block_manager_table(b, ctx, bs).to(device)

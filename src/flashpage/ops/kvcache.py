@@ -30,8 +30,7 @@ from flashpage.ops.paged_decode import (
     check_paged_values,
     default_decode_config,
     launch_paged_attention,
-    resolve_num_splits,
-    tile_shape,
+    resolve_launch,
 )
 from flashpage.ops.paged_prefill import default_prefill_config
 
@@ -220,8 +219,9 @@ def flash_attn_with_kvcache(
         config = default_prefill_config(
             d, q.device, k_cache.dtype, k_cache.shape[1] if block_table is not None else None
         )
-    _, tiles = tile_shape(config, seqlen_q, group)
-    splits = resolve_num_splits(num_splits, batch * tiles, nheads_k, capacity, config.block_n, q.device)
+    config, _, splits = resolve_launch(
+        config, num_splits, batch, seqlen_q, nheads, nheads_k, k_cache.dtype, capacity, q.device
+    )
     qp = q.reshape(batch * seqlen_q, nheads, d)
     out = torch.empty_like(qp)
     lse = (

@@ -1,18 +1,21 @@
 """Paged attention kernels: split-KV flash-decoding over the paged cache, and the LSE combine.
 
 One Triton kernel, :func:`_paged_attn_kernel`, serves decode and (chunked) prefill: a program owns
-``BLOCK_M`` query *rows* of one sequence and one KV head, where a row is a (query token, query head
-of the GQA group) pair: row ``m`` is token ``q0 + m // G``, head ``kvh * G + m % G``. So every query
-head of a group is processed together and each KV byte is read once per program. The grid
-(:func:`paged_grid`) is ``(q_tiles * num_splits, nheads_k, batch)``, or ``(nheads_k, q_tiles *
-num_splits, batch)`` with ``heads_first`` (the decode default); decode has one q tile (``BLOCK_M`` =
-the group, padded to at least 16 rows for ``tl.dot``), chunked prefill
-(:mod:`flashpage.ops.paged_prefill`) has many.
+``BLOCK_M`` query *rows* of one sequence and ``HPP`` consecutive KV heads (``heads_per_program``),
+where a row is a (query token, query head of those KV heads' GQA groups) pair: row ``m`` is token
+``q0 + m // (G * HPP)``, head ``kvh0 * G + m % (G * HPP)``. So every query head of a group is
+processed together and each KV byte is read once per program. The grid (:func:`paged_grid`) is
+``(q_tiles * num_splits, nheads_k // HPP, batch)``, or ``(nheads_k // HPP, q_tiles * num_splits,
+batch)`` with ``heads_first`` (the decode default); decode has one q tile (``BLOCK_M`` = the
+group's heads times ``HPP``, padded to at least 16 rows for ``tl.dot``: decode fills those rows with
+more KV heads' groups instead of padding), chunked prefill (:mod:`flashpage.ops.paged_prefill`) has
+many.
 
-A program walks the KV tiles of its split of the visible key range (``BLOCK_N`` tokens per tile,
-absolute positions aligned to ``BLOCK_N``), fetching each tile's block ids from the block table: a
-tile may span several pages (``block_size < BLOCK_N``) or be a slice of one (``block_size >= BLOCK_N``,
-one scalar block id). Tiles that need no mask (all keys visible to every row) run a mask-free loop;
+A program walks the KV tiles of its split of the visible key range, fetching each tile's block ids
+from the block table. A tile has ``BLOCK_N`` columns: ``BLOCK_N // HPP`` tokens (absolute positions
+aligned to that) times the ``HPP`` heads, in the cache's memory order, so each token's heads are
+one contiguous read; ``Q K^T`` is masked to the (row, column) pairs of the same KV head. A tile may
+span several pages (``block_size`` below its tokens) or be a slice of one (one scalar block id). Tiles that need no mask (all keys visible to every row) run a mask-free loop;
 only the boundary tiles (the causal diagonal, the window's left edge, the sequence end) are masked.
 Online softmax is done in base 2 (``exp2``) with the scale folded into the scores; softcap, ALiBi and
 the fp8 e4m3 per-head scales are fused. With ``num_splits > 1`` every split writes its normalised
@@ -29,7 +32,7 @@ Sequence ``b``'s queries are the last ``q_len`` positions of its ``seqlens_k[b]`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,21 +45,26 @@ from flashpage.ops.cache_write import is_fp8_dtype, validate_scale
 from flashpage.ops.flash_configs import pdl_supported, tma_supported
 from flashpage.ops.flash_fwd import make_row_descriptor, tma_row_view_ok
 from flashpage.ops.launch_cache import LaunchCache, aligned, cdiv, int_spec, next_pow2
-from flashpage.roofline.planner import choose_num_splits  # the roofline planner's split-KV rule
+
+# The roofline planner's split-KV and heads-per-program rules.
+from flashpage.roofline.planner import choose_heads_per_program, choose_num_splits
 
 __all__ = [
     "PagedAttnConfig",
+    "PagedTiles",
     "allocate_workspace",
     "check_paged_cache",
     "check_paged_values",
     "choose_num_splits",
     "default_decode_config",
     "default_num_sms",
+    "kv_heads_per_program",
     "launch_paged_attention",
     "paged_decode",
     "paged_grid",
+    "paged_tiles",
+    "resolve_launch",
     "resolve_num_splits",
-    "tile_shape",
     "wide_offsets",
 ]
 
@@ -102,6 +110,13 @@ class PagedAttnConfig:
         combine_block_d: head-dim columns per combine program (a power of two; ``0``: the whole
             head dim); smaller blocks give the combine more, shorter programs.
         combine_warps: warps per combine program.
+        heads_per_program: KV heads per program (a power of two; ``0``: as many as fill ``tl.dot``'s
+            16-row minimum with real query rows, ``16 // (query tokens x group)``). A program's
+            ``block_n`` tile columns are then ``block_n // heads`` tokens of each of its KV heads, in
+            the cache's order, so every token's heads are read as one contiguous run (whole pages
+            when all KV heads share a program) instead of one ``d``-element row per head, strided by
+            ``nheads_k * d``; ``Q K^T`` masks the pairs of different heads. Lowered to the largest
+            power of two dividing ``nheads_k`` (and ``block_n``); ``1`` with fp8 caches or TMA.
     """
 
     block_m: int = 0
@@ -118,6 +133,7 @@ class PagedAttnConfig:
     pdl: bool = False
     combine_block_d: int = 0
     combine_warps: int = 4
+    heads_per_program: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps"):
@@ -138,6 +154,9 @@ class PagedAttnConfig:
             raise ValueError(
                 f"PagedAttnConfig.combine_warps must be a power of two, got {self.combine_warps}"
             )
+        hpp = self.heads_per_program
+        if isinstance(hpp, bool) or not isinstance(hpp, int) or hpp < 0 or hpp & (hpp - 1):
+            raise ValueError(f"PagedAttnConfig.heads_per_program must be 0 or a power of two, got {hpp!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"PagedAttnConfig.num_stages must be a positive int, got {self.num_stages!r}")
         if not isinstance(self.maxnreg, int) or not (self.maxnreg == 0 or 32 <= self.maxnreg <= 255):
@@ -154,13 +173,32 @@ class PagedAttnConfig:
         extra += "-pdl" if self.pdl else ""
         extra += f"-c{self.combine_block_d}" if self.combine_block_d else ""
         extra += f"-cw{self.combine_warps}" if self.combine_warps != 4 else ""
+        extra += "" if self.heads_per_program == 1 else f"-h{self.heads_per_program or 'auto'}"
         return f"n{self.block_n}w{self.num_warps}s{self.num_stages}{extra}"
 
 
 def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = True) -> PagedAttnConfig:
-    """Decode defaults: 64-token tiles, 4 warps (fp8 KV: 128-token tiles, 4 warps, early V load);
-    contiguous caches (``paged=False``) a deeper pipeline; with split-KV the KV-head-first grid and
-    a programmatic-dependent combine of 32-column, one-warp programs.
+    """Decode defaults: 64-column tiles, 4 warps, for d <= 128 as many KV heads per program as fill
+    16 query rows (GQA 4: 4 heads, 16 tokens per tile); fp8 KV: 128-token tiles of one head, 4
+    warps, early V load; contiguous caches (``paged=False``) a deeper pipeline; with split-KV the
+    KV-head-first grid and a programmatic-dependent combine of 32-column, one-warp programs.
+
+    Several KV heads per program (H100, 2026-12-05, ``benchmarks/probes/decode_multihead.py``, GQA
+    32/8, d=128, bf16, block size 16, % of cuDNN on a contiguous cache in the same run, random /
+    block-manager tables): a pure read of whole pages (every KV head of a page, 32 KiB runs) read
+    98.4-101.7 / 100.0-103.1% where the one-head tiling (256-byte rows strided by 2 KiB) read
+    95.4-99.8 / 96.6-101.2%. A decode program over 4 KV heads and 16-token tiles (the same 16 x 64
+    ``tl.dot`` as one head's GQA group padded to 16 rows, 96 registers) read b32/32k 98.2-98.4 /
+    98.8-99.3 (one head: 96.9 / 97.8), b64/4k 98.4-98.7 / 99.5-100.3 (98.0 / 98.4), b256/4k 99.1 /
+    99.8 (99.0 / 99.6), b1/128k (its combine not timed) 100.0-100.8 / 100.6-100.7 (97.9 / 98.5 with
+    its combine); 8 heads per program (32 rows, 164 registers, 2 programs per SM) read up to 1%
+    less. In the library the gain is smaller and comes with more splits (fewer programs per split),
+    so ``0`` (auto) leaves the choice to the planner's
+    :func:`~flashpage.roofline.planner.choose_heads_per_program` (through :func:`resolve_launch`):
+    several heads only where one head per program needs splits anyway (``flashpage bench decode``
+    on the H100: b32/32k +0.6-0.8%, MHA b8/32k +0.9-1.3% against one head in the same run).
+    Contiguous caches keep one head: their 4-stage pipeline holds one or two programs per SM, and
+    with fewer programs b1/128k read 16% less.
 
     On sm_90 (d=128) bf16 compiles without spills; with 32-bit KV-row offsets (``narrow_offsets``,
     used where the caches allow) triton 3.6 gives 112 registers (88 with split-KV: 5 programs per
@@ -198,7 +236,13 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
         )
     if head_dim > 128:
         return PagedAttnConfig(block_n=32, num_warps=4, num_stages=2, **split_opts)
-    return PagedAttnConfig(block_n=64, num_warps=4, num_stages=2 if paged else 4, **split_opts)
+    return PagedAttnConfig(
+        block_n=64,
+        num_warps=4,
+        num_stages=2 if paged else 4,
+        heads_per_program=0 if paged else 1,
+        **split_opts,
+    )
 
 
 def default_num_sms(device: torch.device) -> int:
@@ -256,7 +300,10 @@ def _attn_kv_loop(
     softcap_log2,
     window_left,
     window_right,
-    offs_n,
+    offs_t,
+    col_k,
+    col_v,
+    same_head,
     offs_d,
     d_ok,
     stride_kb,
@@ -264,6 +311,8 @@ def _attn_kv_loop(
     stride_vb,
     stride_vt,
     BLOCK_N: tl.constexpr,
+    TOKN: tl.constexpr,
+    HPP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     MASK: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -276,18 +325,26 @@ def _attn_kv_loop(
     PREFETCH_TABLE: tl.constexpr,
     WIDE: tl.constexpr,
 ):
-    """Online-softmax over KV tiles ``[start, end)`` (``start`` a multiple of ``BLOCK_N``).
+    """Online-softmax over the KV tokens ``[start, end)`` (``start`` a multiple of ``TOKN``).
 
-    ``K``/``V`` already point at this program's KV head. ``MASK`` tiles apply the sequence end, the
-    causal/window bounds per row; mask-free tiles are fully visible to every row by construction.
+    A tile holds ``TOKN`` tokens of ``HPP`` KV heads: column ``n`` is token ``start_n + offs_t[n]``
+    (``n // HPP``) of head ``n % HPP`` (offsets ``col_k`` / ``col_v``), so with ``HPP > 1`` each
+    token's heads are one contiguous run and ``same_head`` masks the pairs of a row and a column of
+    different heads. ``K``/``V`` already point at this program's first KV head. ``MASK`` tiles apply
+    the sequence end, the causal/window bounds per row; mask-free tiles are fully visible to every
+    row by construction.
     """
+    # A tile of BLOCK_N columns within one page takes one scalar block id; otherwise one per column.
+    # (Not TOKN: a scalar block id loaded in the iteration that uses it is not pipelined, so with
+    # several heads per program and one page per tile the K/V loads would wait on it: 9-10% slower
+    # on the H100 at GQA 32/8, block size 16.)
     GATHER: tl.constexpr = PAGE_SIZE > 0 and PAGE_SIZE < BLOCK_N
     if GATHER and PREFETCH_TABLE:
         # Block ids of the first tile; each iteration then loads the next tile's, so the K/V
         # addresses never wait on a table load issued in the same iteration.
-        blk_next = tl.load(bt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < ctx, other=0)
-    for start_n in range(start, end, BLOCK_N):
-        j = start_n + offs_n
+        blk_next = tl.load(bt_row + (start + offs_t) // PAGE_SIZE, mask=start + offs_t < ctx, other=0)
+    for start_n in range(start, end, TOKN):
+        j = start_n + offs_t
         # Token -> cache row. Paged: block id from the table (one scalar when the tile lies in a page).
         if PAGE_SIZE == 0:
             k_off = kv_row * stride_kb + j.to(tl.int64) * stride_kt
@@ -300,7 +357,7 @@ def _attn_kv_loop(
         else:
             if PREFETCH_TABLE:
                 blk = _widen(blk_next, WIDE)
-                j_next = j + BLOCK_N
+                j_next = j + TOKN
                 blk_next = tl.load(bt_row + j_next // PAGE_SIZE, mask=j_next < ctx, other=0)
             elif MASK:
                 blk = _widen(tl.load(bt_row + j // PAGE_SIZE, mask=j < ctx, other=0), WIDE)
@@ -309,10 +366,13 @@ def _attn_kv_loop(
             in_page = j % PAGE_SIZE
             k_off = blk * stride_kb + in_page * stride_kt
             v_off = blk * stride_vb + in_page * stride_vt
+        if HPP > 1:
+            k_off += col_k
+            v_off += col_v
         n_ok = j < ctx
         # TMA: only mask-free tiles inside one page (a masked tile's rows past the sequence end may
         # hold never-written slots, which a masked pointer load reads as 0 and TMA would not).
-        TMA_TILE: tl.constexpr = USE_TMA and PAGE_SIZE >= BLOCK_N and not MASK
+        TMA_TILE: tl.constexpr = USE_TMA and HPP == 1 and PAGE_SIZE >= BLOCK_N and not MASK
         if TMA_TILE:
             cache_row = (blk * PAGE_SIZE + start_n % PAGE_SIZE).to(tl.int32)
             k = desc_k.load([cache_row, kv_col])
@@ -342,10 +402,14 @@ def _attn_kv_loop(
                 & (j[None, :] >= pos[:, None] - window_left)
                 & (j[None, :] <= pos[:, None] + window_right)
             )
+            if HPP > 1:
+                vis = vis & same_head
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         else:
+            if HPP > 1:
+                s = tl.where(same_head, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = m_new
         p = tl.exp2(s - m_use[:, None])
@@ -409,6 +473,7 @@ def _paged_attn_kernel(
     stride_mlt,
     stride_mlh,
     G: tl.constexpr,
+    HPP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -435,16 +500,18 @@ def _paged_attn_kernel(
         # Lets the combine kernel (launched as a programmatic dependent) be scheduled as soon as
         # every program here has started; it waits for this grid's results itself.
         tl.extra.cuda.gdc_launch_dependents()
+    # A program owns HPP consecutive KV heads (kvg: their group), each with its G query heads.
     if HEADS_FIRST:
-        kvh = tl.program_id(0)
+        kvg = tl.program_id(0)
         pid0 = tl.program_id(1)
         n_pid0 = tl.num_programs(1)
-        n_kvh = tl.num_programs(0)
+        n_kvg = tl.num_programs(0)
     else:
         pid0 = tl.program_id(0)
-        kvh = tl.program_id(1)
+        kvg = tl.program_id(1)
         n_pid0 = tl.num_programs(0)
-        n_kvh = tl.num_programs(1)
+        n_kvg = tl.num_programs(1)
+    kvh = kvg * HPP
     b = tl.program_id(2)
     split = pid0 % num_splits
     # Heaviest (last, most keys under causal) query tiles first: better tail balance.
@@ -455,7 +522,9 @@ def _paged_attn_kernel(
     else:
         q_start = b * q_per_seq
         q_len = q_per_seq
-    QPT: tl.constexpr = BLOCK_M // G  # query tokens per tile
+    GH: tl.constexpr = G * HPP  # query heads (rows) per query token
+    QPT: tl.constexpr = BLOCK_M // GH  # query tokens per tile
+    TOKN: tl.constexpr = BLOCK_N // HPP  # KV tokens per tile
     q0 = tile * QPT
     if q0 >= q_len:
         return
@@ -466,9 +535,12 @@ def _paged_attn_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    qi = q0 + offs_m // G
-    head = kvh * G + offs_m % G
-    row_ok = (offs_m < QPT * G) & (qi < q_len)
+    qi = q0 + offs_m // GH
+    head = kvh * G + offs_m % GH
+    row_ok = (offs_m < QPT * GH) & (qi < q_len)
+    col_h = offs_n % HPP
+    same_head = ((offs_m % GH) // G)[:, None] == col_h[None, :]
+    offs_t = offs_n // HPP
     pos = ctx - q_len + qi  # key position of each row's query (bottom-right aligned)
     tok = (q_start + qi).to(tl.int64)
 
@@ -484,6 +556,7 @@ def _paged_attn_kernel(
 
     kv_scale = 1.0
     if KV_FP8:
+        tl.static_assert(HPP == 1, "fp8 caches: one KV head (one scale) per program")
         kv_scale = tl.load(KScale + kvh)
     if SOFTCAP:
         qk_scale = sm_scale * kv_scale / softcap
@@ -499,15 +572,15 @@ def _paged_attn_kernel(
     q_last = tl.minimum(q0 + QPT, q_len) - 1
     p_first = ctx - q_len + q0
     p_last = ctx - q_len + q_last
-    lo = (tl.maximum(p_first - window_left, 0) // BLOCK_N) * BLOCK_N
+    lo = (tl.maximum(p_first - window_left, 0) // TOKN) * TOKN
     hi = tl.minimum(p_last + window_right + 1, ctx)
-    n_tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+    n_tiles = tl.cdiv(tl.maximum(hi - lo, 0), TOKN)
     per_split = tl.cdiv(n_tiles, num_splits)
-    s_lo = lo + split * per_split * BLOCK_N
-    s_hi = tl.minimum(s_lo + per_split * BLOCK_N, hi)
+    s_lo = lo + split * per_split * TOKN
+    s_hi = tl.minimum(s_lo + per_split * TOKN, hi)
     # Tiles in [full_lo, full_hi) are visible to every row: no mask.
-    full_lo = tl.cdiv(tl.maximum(p_last - window_left, 0), BLOCK_N) * BLOCK_N
-    full_hi = (tl.maximum(tl.minimum(p_first + window_right + 1, ctx), 0) // BLOCK_N) * BLOCK_N
+    full_lo = tl.cdiv(tl.maximum(p_last - window_left, 0), TOKN) * TOKN
+    full_hi = (tl.maximum(tl.minimum(p_first + window_right + 1, ctx), 0) // TOKN) * TOKN
     a_end = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
     b_end = tl.minimum(tl.maximum(full_hi, a_end), s_hi)
 
@@ -521,26 +594,28 @@ def _paged_attn_kernel(
     bt_row = BlockTable + b.to(tl.int64) * stride_btb
     Kh = K + kvh.to(tl.int64) * stride_kh
     Vh = V + kvh.to(tl.int64) * stride_vh
+    col_k = col_h * stride_kh
+    col_v = col_h * stride_vh
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _attn_kv_loop(
         acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, s_lo, a_end, ctx, pos, slopes, qk_scale, softcap_log2,
-        window_left, window_right, offs_n, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt,
-        BLOCK_N, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
+        window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
+        stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
         WIDE_OFFSETS,
     )  # fmt: skip
     acc, l_i, m_i = _attn_kv_loop(
         acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, a_end, b_end, ctx, pos, slopes, qk_scale, softcap_log2,
-        window_left, window_right, offs_n, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt,
-        BLOCK_N, PAGE_SIZE, False, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
+        window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
+        stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, False, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
         WIDE_OFFSETS,
     )  # fmt: skip
     acc, l_i, m_i = _attn_kv_loop(
         acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, b_end, s_hi, ctx, pos, slopes, qk_scale, softcap_log2,
-        window_left, window_right, offs_n, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt,
-        BLOCK_N, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
+        window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
+        stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
         WIDE_OFFSETS,
     )  # fmt: skip
 
@@ -566,7 +641,7 @@ def _paged_attn_kernel(
             # arrive merges all of them and resets the counter for the next launch (graph replay).
             tl.debug_barrier()
             n_tiles_q = n_pid0 // num_splits
-            arrival = Arrivals + (b * n_kvh + kvh) * n_tiles_q + tile
+            arrival = Arrivals + (b * n_kvg + kvg) * n_tiles_q + tile
             prev = tl.atomic_add(arrival, 1, sem="acq_rel")
             if prev == num_splits - 1:
                 tl.debug_barrier()
@@ -684,32 +759,80 @@ _COMBINE_SLOTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13)
 _MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions
 
 
+@dataclass(frozen=True)
+class PagedTiles:
+    """How one launch of the paged attention kernel tiles its problem (:func:`paged_tiles`).
+
+    Attributes:
+        block_m: query rows per program; a row is a (query token, query head) pair.
+        q_tiles: query tiles per sequence.
+        heads: KV heads per program (``HPP``; each brings its ``group`` query heads).
+        head_programs: programs per (sequence, query tile, split): ``nheads_k // heads``.
+        tile_tokens: KV tokens per tile: ``block_n // heads``.
+    """
+
+    block_m: int
+    q_tiles: int
+    heads: int
+    head_programs: int
+    tile_tokens: int
+
+
+def kv_heads_per_program(
+    config: PagedAttnConfig, max_seqlen_q: int, group: int, nheads_k: int, kv_dtype: torch.dtype
+) -> int:
+    """KV heads one program owns: ``config.heads_per_program`` (``0``: enough to fill 16 query rows),
+    lowered to a power of two dividing ``nheads_k`` and at most ``config.block_n``; 1 for fp8 caches
+    (one dequantisation scale per program) and TMA tiles (one head's rows per box)."""
+    if is_fp8_dtype(kv_dtype) or config.use_tma:
+        return 1
+    want = config.heads_per_program or max(1, 16 // next_pow2(max(1, max_seqlen_q) * group))
+    heads = 1
+    while heads * 2 <= min(want, config.block_n) and nheads_k % (heads * 2) == 0:
+        heads *= 2
+    return heads
+
+
+def paged_tiles(
+    config: PagedAttnConfig,
+    max_seqlen_q: int,
+    nheads: int,
+    nheads_k: int,
+    kv_dtype: torch.dtype,
+) -> PagedTiles:
+    """The launch geometry for ``max_seqlen_q`` queries per sequence.
+
+    ``block_m`` is ``config.block_m`` or, for decode, the smallest power of two >= 16 that holds
+    ``max_seqlen_q * group * heads`` rows (up to 128); always at least ``group * heads``. A tile
+    holds ``block_m // (group * heads)`` query tokens.
+    """
+    group = nheads // nheads_k
+    heads = kv_heads_per_program(config, max_seqlen_q, group, nheads_k, kv_dtype)
+    per_token = group * heads
+    if config.block_m:
+        block_m = max(config.block_m, next_pow2(per_token))
+    else:
+        rows = max(1, max_seqlen_q) * per_token
+        block_m = max(16, min(next_pow2(rows), 128), next_pow2(per_token))
+    q_tiles = cdiv(max(max_seqlen_q, 1), block_m // per_token)
+    return PagedTiles(block_m, q_tiles, heads, nheads_k // heads, config.block_n // heads)
+
+
+_MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions
+
+
 def paged_grid(
-    config: PagedAttnConfig, q_tiles: int, num_splits: int, nheads_k: int, batch: int
+    config: PagedAttnConfig, q_tiles: int, num_splits: int, head_programs: int, batch: int
 ) -> tuple[int, int, int]:
-    """The paged attention kernel's grid: KV head first when ``config.heads_first`` and the
-    ``q_tiles * num_splits`` programs per (sequence, KV head) fit the grid's y dimension."""
+    """The paged attention kernel's grid over ``head_programs`` (KV heads / heads per program):
+    heads first when ``config.heads_first`` and the ``q_tiles * num_splits`` programs per
+    (sequence, head group) fit the grid's y dimension."""
     work = q_tiles * num_splits
-    return (nheads_k, work, batch) if _heads_first(config, work) else (work, nheads_k, batch)
+    return (head_programs, work, batch) if _heads_first(config, work) else (work, head_programs, batch)
 
 
 def _heads_first(config: PagedAttnConfig, work: int) -> bool:
     return config.heads_first and work <= _MAX_GRID_YZ
-
-
-def tile_shape(config: PagedAttnConfig, max_seqlen_q: int, group: int) -> tuple[int, int]:
-    """``(block_m, q_tiles)``: rows per program and query tiles per sequence.
-
-    ``block_m`` is ``config.block_m`` or, for decode, the smallest power of two >= 16 that holds
-    ``max_seqlen_q * group`` rows (up to 128); always at least the group. A tile holds
-    ``block_m // group`` query tokens.
-    """
-    if config.block_m:
-        block_m = max(config.block_m, next_pow2(group))
-    else:
-        rows = max(1, max_seqlen_q) * group
-        block_m = max(16, min(next_pow2(rows), 128), next_pow2(group))
-    return block_m, cdiv(max(max_seqlen_q, 1), block_m // group)
 
 
 def allocate_workspace(
@@ -776,7 +899,8 @@ def launch_paged_attention(
     batch = seqlens_k.shape[0]
     nheads_k = k_cache.shape[2]
     group = nheads // nheads_k
-    block_m, q_tiles = tile_shape(config, max_seqlen_q, group)
+    tiles = paged_tiles(config, max_seqlen_q, nheads, nheads_k, k_cache.dtype)
+    block_m, q_tiles = tiles.block_m, tiles.q_tiles
     paged = block_table is not None
     fp8 = is_fp8_dtype(k_cache.dtype)
     left = window_size[0] if window_size[0] >= 0 else _NO_WINDOW
@@ -791,7 +915,7 @@ def launch_paged_attention(
         v_scale = torch.ones(nheads_k, dtype=torch.float32, device=q.device)
     fused = split and config.fused_combine
     pdl = split and not fused and config.pdl and pdl_supported(q.device)
-    n_arrivals = batch * nheads_k * q_tiles
+    n_arrivals = batch * tiles.head_programs * q_tiles
     if split:
         mid_o, mid_lse, arrivals = (
             workspace
@@ -810,6 +934,7 @@ def launch_paged_attention(
     # A paged cache seen as (num_blocks * block_size, nheads_k * d) rows: the flash kernels' row view.
     use_tma = (
         config.use_tma
+        and tiles.heads == 1
         and paged
         and k_cache.shape[1] >= config.block_n
         and tma_supported(k_cache.device)
@@ -822,7 +947,7 @@ def launch_paged_attention(
     else:
         desc_k, desc_v = k_cache, v_cache
     wide = wide_offsets(config, k_cache, v_cache, paged)
-    grid = paged_grid(config, q_tiles, num_splits, nheads_k, batch)
+    grid = paged_grid(config, q_tiles, num_splits, tiles.head_programs, batch)
     heads_first = _heads_first(config, q_tiles * num_splits)
     tensors = (
         q, k_cache, v_cache, desc_k, desc_v, out, lse_arg, mid_o, mid_lse, arrivals,
@@ -841,8 +966,8 @@ def launch_paged_attention(
     values = (*tensors, float(softmax_scale), float(softcap) if softcap > 0 else 1.0, *ints)
     page_size = k_cache.shape[1] if paged else 0
     key = (
-        config, block_m, q.dtype, k_cache.dtype, out.dtype, q.device.index, head_dim, nheads, nheads_k,
-        page_size, cu_seqlens_q is not None, cache_batch_idx is not None, softcap > 0,
+        config, block_m, tiles.heads, q.dtype, k_cache.dtype, out.dtype, q.device.index, head_dim, nheads,
+        nheads_k, page_size, cu_seqlens_q is not None, cache_batch_idx is not None, softcap > 0,
         None if alibi_slopes is None else (alibi_slopes.dim(), alibi_slopes.stride(0)), split, write_lse, upcast, fused, use_tma,
         wide, pdl, heads_first,
         q.stride(), k_cache.stride(), v_cache.stride(), out.stride(), aligned(*tensors),
@@ -859,7 +984,7 @@ def launch_paged_attention(
             *mid_strides,
         ]  # fmt: skip
         kwargs = {
-            "G": group, "HEAD_DIM": head_dim, "BLOCK_D": max(16, next_pow2(head_dim)), "BLOCK_M": block_m,
+            "G": group, "HPP": tiles.heads, "HEAD_DIM": head_dim, "BLOCK_D": max(16, next_pow2(head_dim)), "BLOCK_M": block_m,
             "BLOCK_N": config.block_n, "PAGE_SIZE": page_size, "VARLEN_Q": cu_seqlens_q is not None,
             "HAS_BATCH_IDX": cache_batch_idx is not None, "SOFTCAP": softcap > 0,
             "HAS_ALIBI": alibi_slopes is not None, "KV_FP8": fp8, "SPLIT": split, "WRITE_LSE": write_lse,
@@ -1059,22 +1184,68 @@ def check_paged_values(
 
 
 def resolve_num_splits(
-    num_splits: int, work_items: int, nheads_k: int, seqlen_k: int, block_n: int, device: torch.device
+    num_splits: int,
+    work_items: int,
+    head_programs: int,
+    seqlen_k: int,
+    tile_tokens: int,
+    device: torch.device,
 ) -> int:
     """``num_splits`` if positive, else the planner's choice; never more than the tiles of ``seqlen_k``.
 
     Args:
-        work_items: independent (sequence, query tile) problems per KV head.
+        work_items: independent (sequence, query tile) problems per KV head group.
+        head_programs: programs per problem and split (:attr:`PagedTiles.head_programs`).
         seqlen_k: host-side bound on the keys per sequence (no device sync).
+        tile_tokens: KV tokens per tile (:attr:`PagedTiles.tile_tokens`).
     """
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [0, {_MAX_SPLITS}] (0 = planner), got {num_splits!r}")
     if num_splits == 0:
         # Smallest power of two with >= 2 waves of programs, >= 256 keys per split (roofline planner).
         num_splits = choose_num_splits(
-            max(work_items, 1), nheads_k, max(seqlen_k, 1), default_num_sms(device)
+            max(work_items, 1), head_programs, max(seqlen_k, 1), default_num_sms(device)
         )
-    return max(1, min(num_splits, cdiv(max(seqlen_k, 1), block_n)))
+    return max(1, min(num_splits, cdiv(max(seqlen_k, 1), tile_tokens)))
+
+
+def resolve_launch(
+    config: PagedAttnConfig,
+    num_splits: int,
+    batch: int,
+    max_seqlen_q: int,
+    nheads: int,
+    nheads_k: int,
+    kv_dtype: torch.dtype,
+    seqlen_k: int,
+    device: torch.device,
+) -> tuple[PagedAttnConfig, PagedTiles, int]:
+    """The config with its heads per program decided, its tiles, and the split count.
+
+    ``config.heads_per_program == 0`` (auto) becomes the planner's
+    :func:`~flashpage.roofline.planner.choose_heads_per_program` up to what fills 16 query rows
+    (:func:`kv_heads_per_program`), or that maximum when ``num_splits`` is given. The returned
+    config is what to launch with (``launch_paged_attention`` recomputes the same tiles from it).
+
+    Args:
+        seqlen_k: host-side bound on the keys per sequence (no device sync).
+    """
+    if config.heads_per_program == 0:
+        most = kv_heads_per_program(config, max_seqlen_q, nheads // nheads_k, nheads_k, kv_dtype)
+        heads = most
+        if num_splits == 0 and most > 1:
+            q_tiles = paged_tiles(
+                replace(config, heads_per_program=most), max_seqlen_q, nheads, nheads_k, kv_dtype
+            )
+            heads = choose_heads_per_program(
+                max(batch * q_tiles.q_tiles, 1), nheads_k, most, max(seqlen_k, 1), default_num_sms(device)
+            )
+        config = replace(config, heads_per_program=heads)
+    tiles = paged_tiles(config, max_seqlen_q, nheads, nheads_k, kv_dtype)
+    splits = resolve_num_splits(
+        num_splits, batch * tiles.q_tiles, tiles.head_programs, seqlen_k, tiles.tile_tokens, device
+    )
+    return config, tiles, splits
 
 
 def paged_decode(
@@ -1131,11 +1302,11 @@ def paged_decode(
         raise ValueError("block_table is required (paged cache)")
     if validate:
         check_paged_values(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
-    config = config or default_decode_config(k_cache.dtype, d)
-    nheads_k = k_cache.shape[2]
-    _, tiles = tile_shape(config, seqlen_q, nheads // nheads_k)
     seqlen_bound = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * k_cache.shape[1]
-    splits = resolve_num_splits(num_splits, batch * tiles, nheads_k, seqlen_bound, config.block_n, q.device)
+    config, _, splits = resolve_launch(
+        config or default_decode_config(k_cache.dtype, d), num_splits, batch, seqlen_q, nheads,
+        k_cache.shape[2], k_cache.dtype, seqlen_bound, q.device,
+    )  # fmt: skip
     qp = q4.reshape(batch * seqlen_q, nheads, d)
     out = torch.empty_like(qp)
     lse = torch.empty(batch, seqlen_q, nheads, dtype=torch.float32, device=q.device) if return_lse else None

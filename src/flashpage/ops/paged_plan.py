@@ -28,8 +28,7 @@ from flashpage.ops.paged_decode import (
     default_decode_config,
     launch_paged_attention,
     paged_grid,
-    resolve_num_splits,
-    tile_shape,
+    resolve_launch,
 )
 
 __all__ = ["DecodePlan", "plan_decode", "run_decode"]
@@ -119,11 +118,13 @@ def plan_decode(
     if kv_dtype != q_dtype and not is_fp8_dtype(kv_dtype):
         raise TypeError(f"kv_dtype {kv_dtype} must be q_dtype {q_dtype} or torch.float8_e4m3fn")
     config = config or default_decode_config(kv_dtype, head_dim)
-    group = nheads // nheads_k
-    block_m, q_tiles = tile_shape(config, seqlen_q, group)
-    splits = resolve_num_splits(num_splits, batch * q_tiles, nheads_k, max_seqlen_k, config.block_n, device)
+    config, tiles, splits = resolve_launch(
+        config, num_splits, batch, seqlen_q, nheads, nheads_k, kv_dtype, max_seqlen_k, device
+    )
     workspace = (
-        allocate_workspace(batch * seqlen_q, nheads, splits, head_dim, device, batch * nheads_k * q_tiles)
+        allocate_workspace(
+            batch * seqlen_q, nheads, splits, head_dim, device, batch * tiles.head_programs * tiles.q_tiles
+        )
         if splits > 1
         else None
     )
@@ -138,8 +139,8 @@ def plan_decode(
         kv_dtype=kv_dtype,
         num_splits=splits,
         config=config,
-        block_m=block_m,
-        grid=paged_grid(config, q_tiles, splits, nheads_k, batch),
+        block_m=tiles.block_m,
+        grid=paged_grid(config, tiles.q_tiles, splits, tiles.head_programs, batch),
         softmax_scale=softmax_scale if softmax_scale is not None else head_dim**-0.5,
         causal=causal,
         window_size=window_size,

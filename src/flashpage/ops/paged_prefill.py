@@ -25,8 +25,7 @@ from flashpage.ops.paged_decode import (
     check_paged_cache,
     check_paged_values,
     launch_paged_attention,
-    resolve_num_splits,
-    tile_shape,
+    resolve_launch,
 )
 
 __all__ = ["check_cu_seqlens", "default_prefill_config", "paged_prefill"]
@@ -158,11 +157,18 @@ def paged_prefill(
             min_seqlens=qlen,
         )
     config = config or default_prefill_config(d, q.device, k_cache.dtype, k_cache.shape[1])
-    nheads_k = k_cache.shape[2]
-    group = nheads // nheads_k
-    _, tiles = tile_shape(config, max_seqlen_q, group)
     seqlen_bound = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * k_cache.shape[1]
-    splits = resolve_num_splits(num_splits, batch * tiles, nheads_k, seqlen_bound, config.block_n, q.device)
+    config, _, splits = resolve_launch(
+        config,
+        num_splits,
+        batch,
+        max_seqlen_q,
+        nheads,
+        k_cache.shape[2],
+        k_cache.dtype,
+        seqlen_bound,
+        q.device,
+    )
     out = torch.empty_like(q)
     lse = torch.empty(nheads, total_q, dtype=torch.float32, device=q.device) if return_lse else None
     if total_q and batch:
