@@ -53,7 +53,7 @@ def test_num_splits_caps() -> None:
         (256, 4096, 8, 4, 1),  # one head fills the GPU without a split
         (64, 4096, 8, 4, 1),
         (32, 32768, 8, 4, 4),  # one head needs splits anyway: 4 heads, 8 splits
-        (1, 131072, 8, 4, 2),  # 4 heads would need 256 splits (cap 128): 2 heads, 128 splits
+        (1, 131072, 8, 4, 1),  # 2 heads would need 128 splits (more than 32)
         (64, 4096, 32, 16, 1),  # MHA
         (8, 32768, 32, 16, 16),  # MHA: 16 heads, 32 splits
         (1, 1024, 8, 4, 1),  # too short to fill the GPU with any: one head (most programs)
@@ -62,6 +62,7 @@ def test_num_splits_caps() -> None:
 )
 def test_heads_per_program_rule(batch: int, ctx: int, nheads_k: int, most: int, want: int) -> None:
     assert choose_heads_per_program(batch, nheads_k, most, ctx, 132) == want
+    assert choose_heads_per_program(1, 8, 4, 131072, 132, max_splits=128) == 2  # 4 programs x 128 splits
 
 
 GQA = {"nheads": 32, "nheads_k": 8, "head_dim": 128}

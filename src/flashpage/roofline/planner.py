@@ -114,7 +114,7 @@ def choose_heads_per_program(
     seqlen_k: int,
     num_sms: int,
     min_tokens_per_split: int = 256,
-    max_splits: int = 128,
+    max_splits: int = 32,
 ) -> int:
     """KV heads per decode program (a power of two <= ``max_heads`` dividing ``nheads_k``).
 
@@ -122,13 +122,15 @@ def choose_heads_per_program(
     ``nheads_k / heads`` times fewer of them. The rule: one head when one-head programs fill the
     GPU without splitting (``batch * nheads_k >= 2 * num_sms``); otherwise (splits are needed
     anyway) the most heads whose :func:`choose_num_splits` count still reaches ``2 * num_sms``
-    programs within its caps; else 1.
+    programs with at most ``max_splits`` splits (more heads, more splits: their combine grows);
+    else 1.
 
     Measured (H100, GQA 32/8 and MHA 32/32, d=128, bf16, block size 16, 2026-12-05, ``flashpage
     bench decode`` planner vs one-head rows in the same run, three runs): where one head needs
     splits, 4 heads read +0.6-0.8% at b32/32k (8 splits vs 2) and 16 heads +0.9-1.3% at MHA
     b8/32k. Where one head needs none, more heads were -1.5% (b64/4k: 4 splits), -0.6% (MHA
-    b64/4k) or within +-0.5% (b256/4k). At b1/128k (2 heads, 128 splits) -0.4% to +0.7%.
+    b64/4k) or within +-0.5% (b256/4k). At b1/128k 2 heads with 128 splits read 0.3-0.4% less
+    than one head with 64 (two runs): hence ``max_splits`` 32.
     """
     target = 2 * num_sms
     if batch * nheads_k >= target:
