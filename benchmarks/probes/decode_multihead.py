@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from decode_page_order import read_all, tables
+from decode_page_order import read_all, table_case, tables
 from torch import Tensor
 
 from flashpage.bench.common import do_bench_ms, round_robin
@@ -192,23 +192,8 @@ def probe_shape(
     for name, t in tables(b, ctx, bs, gen).items():
         if name not in keep:
             continue
-        bt = t.to(torch.int32).to(dev)
-        kk = kc[t.to(dev)].reshape(b, ctx, hk, d).transpose(1, 2).contiguous()
-        vv = vc[t.to(dev)].reshape(b, ctx, hk, d).transpose(1, 2).contiguous()
-        ref = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, enable_gqa=True)
-        ref = ref[:, :, 0].float()
-        want_read = (kk.float() + vv.float()).sum((1, 2))  # (b, d)
-        if not rows and dev.type == "cuda":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            def cudnn(kct: Tensor = kk, vct: Tensor = vv) -> Tensor:
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return torch.nn.functional.scaled_dot_product_attention(
-                        q.unsqueeze(2), kct, vct, enable_gqa=True
-                    )
-
-            rows.append(({"impl": "cudnn"}, cudnn))
-        del kk, vv
+        bt, ref, per_head = table_case(q, kc, vc, t, rows)
+        want_read = per_head.sum(1)  # (b, d)
         plan = plan_decode(b, h, hk, d, block_size=bs, max_seqlen_k=ctx, q_dtype=dt, device=dev)
         err = (run_decode(plan, q, kc, vc, bt, seqlens).float() - ref).abs().max().item()
         assert err < 2e-2, ("decode", name, err)

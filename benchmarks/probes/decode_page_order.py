@@ -118,6 +118,33 @@ def tables(b: int, ctx: int, bs: int, gen: torch.Generator) -> dict[str, Tensor]
     return {k: v.view(b, ctx // bs) for k, v in out.items()}
 
 
+def table_case(
+    q: Tensor, kc: Tensor, vc: Tensor, t: Tensor, rows: list[tuple[dict[str, Any], Callable[[], Any]]]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Block table ``t`` (``(b, ctx // page)`` int64, CPU) as int32 on the caches' device, the SDPA
+    reference ``(b, h, d)`` float32 over the table's logical cache, and that cache's K + V summed
+    over the tokens ``(b, hk, d)`` (the read kernels' check). With no rows yet on CUDA, adds the
+    ``cudnn`` row over that contiguous ``(b, hk, ctx, d)`` cache (its timing does not depend on
+    which blocks were gathered)."""
+    dev = kc.device
+    b, ctx, hk, d = t.shape[0], t.numel() * kc.shape[1] // t.shape[0], kc.shape[2], kc.shape[3]
+    kk = kc[t.to(dev)].reshape(b, ctx, hk, d).transpose(1, 2).contiguous()
+    vv = vc[t.to(dev)].reshape(b, ctx, hk, d).transpose(1, 2).contiguous()
+    ref = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, enable_gqa=True)
+    want_read = (kk.float() + vv.float()).sum(2)
+    if not rows and dev.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def cudnn(kct: Tensor = kk, vct: Tensor = vv) -> Tensor:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q.unsqueeze(2), kct, vct, enable_gqa=True
+                )
+
+        rows.append(({"impl": "cudnn"}, cudnn))
+    return t.to(torch.int32).to(dev), ref[:, :, 0].float(), want_read
+
+
 def probe_shape(
     b: int,
     ctx: int,
@@ -143,27 +170,7 @@ def probe_shape(
     for name, t in tabs.items():
         if keep and name not in keep.split(","):
             continue
-        bt = t.to(torch.int32).to(dev)
-        # The table's logical cache, contiguous (b, hk, ctx, d): SDPA's reference, the read check and,
-        # for the first table, the cuDNN row (its timing does not depend on which blocks were gathered).
-        kk = kc[t.to(dev)].reshape(b, ctx, hk, d).transpose(1, 2).contiguous()
-        vv = vc[t.to(dev)].reshape(b, ctx, hk, d).transpose(1, 2).contiguous()
-        ref = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, enable_gqa=True)[
-            :, :, 0
-        ]
-        ref = ref.float()
-        want_read = (kk.float() + vv.float()).sum(2)  # (b, hk, d)
-        if not rows and dev.type == "cuda":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            def cudnn(kct: Tensor = kk, vct: Tensor = vv) -> Tensor:
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return torch.nn.functional.scaled_dot_product_attention(
-                        q.unsqueeze(2), kct, vct, enable_gqa=True
-                    )
-
-            rows.append(({"impl": "cudnn"}, cudnn))
-        del kk, vv
+        bt, ref, want_read = table_case(q, kc, vc, t, rows)
 
         def add(
             label: dict[str, Any], bt: Tensor = bt, ref: Tensor = ref, name: str = name, **plan_kw: Any

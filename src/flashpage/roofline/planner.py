@@ -132,6 +132,9 @@ def choose_heads_per_program(
     b64/4k) or within +-0.5% (b256/4k). At b1/128k 2 heads with 128 splits read 0.3-0.4% less
     than one head with 64 (two runs): hence ``max_splits`` 32.
     """
+    for name, v in (("batch", batch), ("nheads_k", nheads_k), ("max_heads", max_heads), ("num_sms", num_sms)):
+        if v < 1:
+            raise ValueError(f"{name}: must be >= 1, got {v}")
     target = 2 * num_sms
     if batch * nheads_k >= target:
         return 1
