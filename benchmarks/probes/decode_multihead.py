@@ -40,19 +40,16 @@ Run on the GPU: ``PYTHONPATH=src:benchmarks/probes python benchmarks/probes/deco
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
-from decode_page_order import read_all, table_case, tables
+from decode_page_order import read_all, run_probe, table_case, tables, time_rows
 from torch import Tensor
 
-from flashpage.bench.common import do_bench_ms, round_robin
 from flashpage.ops.paged_plan import plan_decode, run_decode
 
 
@@ -248,52 +245,12 @@ def probe_shape(
                 assert err < 2e-2, (label, err)
                 rows.append((label, mh))
 
-    def failed(item: tuple[dict[str, Any], Callable[[], Any]], exc: Exception) -> None:
-        print(f"{item[0]} b={b} ctx={ctx}: {type(exc).__name__}: {exc}", flush=True)
-
-    times = round_robin(rows, lambda item: bench(item[1]), 1 if tiny else 2, failed)
-    base = min(times[0]) if rows and rows[0][0]["impl"] == "cudnn" and times[0] else None
-    results = []
-    for (r, _), tm in zip(rows, times, strict=True):
-        if tm is None:
-            continue
-        ms = min(tm)
-        r.update(batch=b, ctx=ctx, ms=ms, ms_rounds=tm, tbps=kv_bytes / ms / 1e9)
-        if base:
-            r["pct_cudnn"] = round(100 * base / ms, 2)
-        results.append(r)
-        print(json.dumps(r), flush=True)
-    return results
+    return time_rows(rows, b, ctx, kv_bytes, bench, tiny)
 
 
 def main() -> None:
-    tiny = "--tiny" in sys.argv
-    dev = torch.device(os.environ.get("DEV", "cuda"))
-    shapes = [(2, 512, (1, 2))] if tiny else [
-        (32, 32768, (4, 8, 16)), (64, 4096, (2, 4, 8)), (256, 4096, (1, 2)), (1, 131072, (128, 256, 512)),
-    ]  # fmt: skip
-    if os.environ.get("SHAPES"):  # e.g. SHAPES=32:32768:8/16
-        shapes = [
-            (int(b), int(c), tuple(int(x) for x in s.split("/")))
-            for b, c, s in (item.split(":") for item in os.environ["SHAPES"].split(","))
-        ]
-
-    def bench(fn: Callable[[], Any]) -> float:
-        if dev.type != "cuda":
-            fn()
-            return 1.0
-        return do_bench_ms(fn, warmup=15, rep=60)
-
-    gen = torch.Generator().manual_seed(0)
-    results: list[dict[str, Any]] = []
-    for b, ctx, sp in shapes:
-        results += probe_shape(b, ctx, sp, dev, gen, tiny, bench)
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    out = os.path.join(os.environ.get("OUT", "."), "decode_multihead.json")
-    with open(out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "rows": results},
-                  f, indent=1)  # fmt: skip
+    run_probe(probe_shape, [(32, 32768, (4, 8, 16)), (64, 4096, (2, 4, 8)), (256, 4096, (1, 2)),
+                            (1, 131072, (128, 256, 512))], "decode_multihead")  # fmt: skip
 
 
 if __name__ == "__main__":

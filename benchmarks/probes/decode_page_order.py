@@ -157,7 +157,6 @@ def probe_shape(
     """Rows of one ``(batch, ctx)`` shape, timed in round-robin rounds."""
     dt = torch.bfloat16
     h, hk, d, bs = 32, 8, 128, 16
-    results: list[dict[str, Any]] = []
     nblk = b * ctx // bs
     kc = torch.randn(nblk, bs, hk, d, device=dev, dtype=dt)
     vc = torch.randn_like(kc)
@@ -202,31 +201,46 @@ def probe_shape(
         rows.append(({"impl": "read", "table": name, "splits": ns_r},
                      lambda bt=bt, ns_r=ns_r, buf=buf: read_all(kc, vc, bt, seqlens, ns_r, buf)))  # fmt: skip
 
-    def failed(item: tuple[dict[str, Any], Callable[[], Any]], exc: Exception) -> None:
+    return time_rows(rows, b, ctx, kv_bytes, bench, tiny)
+
+
+Row = tuple[dict[str, Any], Callable[[], Any]]
+ShapeProbe = Callable[..., list[dict[str, Any]]]
+
+
+def time_rows(
+    rows: list[Row], b: int, ctx: int, kv_bytes: int, bench: Callable[[Callable[[], Any]], float], tiny: bool
+) -> list[dict[str, Any]]:
+    """Time ``rows`` in round-robin rounds (fastest kept); each labelled with its shape, times,
+    TB/s and, when the first row is ``cudnn``, its % of that row. Printed as they are done."""
+
+    def failed(item: Row, exc: Exception) -> None:
         print(f"{item[0]} b={b} ctx={ctx}: {type(exc).__name__}: {exc}", flush=True)
 
     times = round_robin(rows, lambda item: bench(item[1]), 1 if tiny else 2, failed)
     base = min(times[0]) if rows and rows[0][0]["impl"] == "cudnn" and times[0] else None
+    results = []
     for (r, _), t in zip(rows, times, strict=True):
         if t is None:
             continue
         ms = min(t)
         r.update(batch=b, ctx=ctx, ms=ms, ms_rounds=t, tbps=kv_bytes / ms / 1e9)
         if base:
-            r["pct_cudnn"] = 100 * base / ms
+            r["pct_cudnn"] = round(100 * base / ms, 2)
         results.append(r)
         print(json.dumps(r), flush=True)
     return results
 
 
-def main() -> None:
+def run_probe(probe: ShapeProbe, shapes: list[tuple[int, int, tuple[int, ...]]], name: str) -> None:
+    """Run ``probe(b, ctx, splits, dev, gen, tiny, bench)`` per shape (``SHAPES=b:ctx:s1/s2,...``
+    overrides ``shapes``; ``--tiny`` one small shape) and write ``$OUT/<name>.json`` (or argv's
+    first non-flag argument)."""
     tiny = "--tiny" in sys.argv
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     dev = torch.device(os.environ.get("DEV", "cuda"))
-    shapes = [(2, 512, (1, 2))] if tiny else [
-        (32, 32768, (1, 2, 3, 4, 8, 16)), (64, 4096, (1, 2, 3, 4, 8)), (256, 4096, (1, 2, 4)),
-        (1, 131072, (32, 64, 128)),
-    ]  # fmt: skip
+    if tiny:
+        shapes = [(2, 512, (1, 2))]
     if os.environ.get("SHAPES"):  # e.g. SHAPES=33:32768:2,66:4096:1
         shapes = [
             (int(b), int(c), tuple(int(x) for x in s.split("/")))
@@ -242,13 +256,18 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     results: list[dict[str, Any]] = []
     for b, ctx, split_list in shapes:
-        results += probe_shape(b, ctx, split_list, dev, gen, tiny, bench)
+        results += probe(b, ctx, split_list, dev, gen, tiny, bench)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    out = args[0] if args else os.path.join(os.environ.get("OUT", "."), "decode_page_order.json")
+    out = args[0] if args else os.path.join(os.environ.get("OUT", "."), f"{name}.json")
     with open(out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "rows": results},
                   f, indent=1)  # fmt: skip
+
+
+def main() -> None:
+    run_probe(probe_shape, [(32, 32768, (1, 2, 3, 4, 8, 16)), (64, 4096, (1, 2, 3, 4, 8)), (256, 4096, (1, 2, 4)),
+                            (1, 131072, (32, 64, 128))], "decode_page_order")  # fmt: skip
 
 
 if __name__ == "__main__":
