@@ -452,6 +452,7 @@ def test_decode_errors() -> None:
         (8, 16, 4, [8, 29, 70], 4, 16),  # 4-token tiles inside 8-token pages
         (32, 4, 4, [96, 5], 0, 64),  # MHA, auto: all 4 heads (16-token tiles in 32-token pages)
         (16, 12, 4, [50, 17], 0, 32),  # group 3, auto: 4 heads, 12 real rows of 16
+        (32, 16, 4, [50, 17, 64], 4, 32),  # page >= block_n: one scalar block id per 8-token tile
     ],
 )
 def test_multi_head_programs(

@@ -14,8 +14,9 @@ many.
 A program walks the KV tiles of its split of the visible key range, fetching each tile's block ids
 from the block table. A tile has ``BLOCK_N`` columns: ``BLOCK_N // HPP`` tokens (absolute positions
 aligned to that) times the ``HPP`` heads, in the cache's memory order, so each token's heads are
-one contiguous read; ``Q K^T`` is masked to the (row, column) pairs of the same KV head. A tile may
-span several pages (``block_size`` below its tokens) or be a slice of one (one scalar block id). Tiles that need no mask (all keys visible to every row) run a mask-free loop;
+one contiguous read; ``Q K^T`` is masked to the (row, column) pairs of the same KV head. A tile
+takes one block id per column unless ``block_size >= BLOCK_N`` (one scalar block id per tile).
+Tiles that need no mask (all keys visible to every row) run a mask-free loop;
 only the boundary tiles (the causal diagonal, the window's left edge, the sequence end) are masked.
 Online softmax is done in base 2 (``exp2``) with the scale folded into the scores; softcap, ALiBi and
 the fp8 e4m3 per-head scales are fused. With ``num_splits > 1`` every split writes its normalised
@@ -335,9 +336,9 @@ def _attn_kv_loop(
     row by construction.
     """
     # A tile of BLOCK_N columns within one page takes one scalar block id; otherwise one per column.
-    # (Not TOKN: a scalar block id loaded in the iteration that uses it is not pipelined, so with
-    # several heads per program and one page per tile the K/V loads would wait on it: 9-10% slower
-    # on the H100 at GQA 32/8, block size 16.)
+    # (Not "within TOKN tokens": with 4 heads per program and 16-token tiles of 16-token pages the
+    # scalar path read 9-10% less on the H100, GQA 32/8, b64/4k and b256/4k, than a block id per
+    # column; the scalar load in the iteration that uses it is the likely cause.)
     GATHER: tl.constexpr = PAGE_SIZE > 0 and PAGE_SIZE < BLOCK_N
     if GATHER and PREFETCH_TABLE:
         # Block ids of the first tile; each iteration then loads the next tile's, so the K/V

@@ -43,10 +43,10 @@ class DecodePlan:
         block_size: page size of the caches the plan runs on.
         q_dtype, kv_dtype: query and cache dtypes (``kv_dtype`` may be fp8 e4m3).
         num_splits: split-KV count; ``> 1`` uses ``workspace`` and the combine kernel.
-        config: kernel tile configuration.
-        block_m: query rows per program (tokens x GQA group).
-        grid: :func:`~flashpage.ops.paged_decode.paged_grid`, e.g. ``(nheads_k, q_tiles * num_splits,
-            batch)`` for the decode default.
+        config: kernel tile configuration, its ``heads_per_program`` decided (never ``0``).
+        block_m: query rows per program (tokens x GQA group x KV heads per program).
+        grid: :func:`~flashpage.ops.paged_decode.paged_grid`, e.g. ``(nheads_k // heads, q_tiles *
+            num_splits, batch)`` for the decode default.
         softmax_scale, causal, window_size, softcap: attention options baked into the plan.
         workspace: split partial outputs, log2-sum-exps and the fused combine's arrival counters
             (``None`` when ``num_splits == 1``).
