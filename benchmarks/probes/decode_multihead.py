@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from decode_page_order import read_all, run_probe, table_case, tables, time_rows
+from decode_page_order import SHAPE, decode_inputs, read_all, run_probe, table_case, tables, time_rows
 from torch import Tensor
 
 from flashpage.ops.paged_plan import plan_decode, run_decode
@@ -172,13 +172,8 @@ def probe_shape(
     bench: Callable[[Callable[[], Any]], float],
 ) -> list[dict[str, Any]]:
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
-    h, hk, d, bs = 32, 8, 128, 16
-    nblk = b * ctx // bs
-    kc = torch.randn(nblk, bs, hk, d, device=dev, dtype=dt)
-    vc = torch.randn_like(kc)
-    seqlens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
-    q = torch.randn(b, h, d, device=dev, dtype=dt)
-    kv_bytes = 2 * b * ctx * hk * d * 2
+    h, hk, d, bs = SHAPE
+    kc, vc, seqlens, q, kv_bytes = decode_inputs(b, ctx, dev, dt)
     rows: list[tuple[dict[str, Any], Callable[[], Any]]] = []
     keep = os.environ.get("TABLES", "rand,seq,bm").split(",")
     n_sms = torch.cuda.get_device_properties(0).multi_processor_count if dev.type == "cuda" else 4

@@ -118,6 +118,23 @@ def tables(b: int, ctx: int, bs: int, gen: torch.Generator) -> dict[str, Tensor]
     return {k: v.view(b, ctx // bs) for k, v in out.items()}
 
 
+# Query heads, KV heads, head dim and block size of every probed shape (Llama-3 GQA 32/8).
+SHAPE = (32, 8, 128, 16)
+
+
+def decode_inputs(
+    b: int, ctx: int, dev: torch.device, dt: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """Random K and V caches ``(b * ctx // page, page, hk, d)`` (every block used once), seqlens
+    ``(b,)`` int32 all ``ctx``, decode queries ``(b, h, d)`` and the KV bytes one decode step reads."""
+    h, hk, d, bs = SHAPE
+    kc = torch.randn(b * ctx // bs, bs, hk, d, device=dev, dtype=dt)
+    vc = torch.randn_like(kc)
+    seqlens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn(b, h, d, device=dev, dtype=dt)
+    return kc, vc, seqlens, q, 2 * b * ctx * hk * d * kc.element_size()
+
+
 def table_case(
     q: Tensor, kc: Tensor, vc: Tensor, t: Tensor, rows: list[tuple[dict[str, Any], Callable[[], Any]]]
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -156,13 +173,8 @@ def probe_shape(
 ) -> list[dict[str, Any]]:
     """Rows of one ``(batch, ctx)`` shape, timed in round-robin rounds."""
     dt = torch.bfloat16
-    h, hk, d, bs = 32, 8, 128, 16
-    nblk = b * ctx // bs
-    kc = torch.randn(nblk, bs, hk, d, device=dev, dtype=dt)
-    vc = torch.randn_like(kc)
-    seqlens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
-    q = torch.randn(b, h, d, device=dev, dtype=dt)
-    kv_bytes = 2 * b * ctx * hk * d * 2
+    h, hk, d, bs = SHAPE
+    kc, vc, seqlens, q, kv_bytes = decode_inputs(b, ctx, dev, dt)
     rows: list[tuple[dict[str, Any], Callable[[], Any]]] = []
     tabs = tables(b, ctx, bs, gen)
     keep = os.environ.get("TABLES")

@@ -13,6 +13,7 @@ from flashpage.roofline.planner import (
     choose_num_splits,
     plan,
     plan_attention,
+    pow2_divisor_at_most,
 )
 
 # shared/anchors/triton-paged-decode-h200-2026-12-02.json: Triton paged split-KV decode, GQA 32q/8kv
@@ -63,6 +64,15 @@ def test_num_splits_caps() -> None:
 def test_heads_per_program_rule(batch: int, ctx: int, nheads_k: int, most: int, want: int) -> None:
     assert choose_heads_per_program(batch, nheads_k, most, ctx, 132) == want
     assert choose_heads_per_program(1, 8, 4, 131072, 132, max_splits=128) == 2  # 4 programs x 128 splits
+
+
+def test_pow2_divisor_at_most() -> None:
+    assert [pow2_divisor_at_most(n, 16) for n in (1, 6, 8, 12, 32, 48)] == [1, 2, 8, 4, 16, 16]
+    assert (
+        pow2_divisor_at_most(32, 5) == 4
+        and pow2_divisor_at_most(7, 8) == 1
+        and pow2_divisor_at_most(8, 0) == 1
+    )
 
 
 GQA = {"nheads": 32, "nheads_k": 8, "head_dim": 128}

@@ -48,7 +48,7 @@ from flashpage.ops.flash_fwd import make_row_descriptor, tma_row_view_ok
 from flashpage.ops.launch_cache import LaunchCache, aligned, cdiv, int_spec, next_pow2
 
 # The roofline planner's split-KV and heads-per-program rules.
-from flashpage.roofline.planner import choose_heads_per_program, choose_num_splits
+from flashpage.roofline.planner import choose_heads_per_program, choose_num_splits, pow2_divisor_at_most
 
 __all__ = [
     "PagedAttnConfig",
@@ -788,10 +788,7 @@ def kv_heads_per_program(
     if is_fp8_dtype(kv_dtype) or config.use_tma:
         return 1
     want = config.heads_per_program or max(1, 16 // next_pow2(max(1, max_seqlen_q) * group))
-    heads = 1
-    while heads * 2 <= min(want, config.block_n) and nheads_k % (heads * 2) == 0:
-        heads *= 2
-    return heads
+    return pow2_divisor_at_most(nheads_k, min(want, config.block_n))
 
 
 def paged_tiles(
@@ -1235,11 +1232,11 @@ def resolve_launch(
         most = kv_heads_per_program(config, max_seqlen_q, nheads // nheads_k, nheads_k, kv_dtype)
         heads = most
         if num_splits == 0 and most > 1:
-            q_tiles = paged_tiles(
+            widest = paged_tiles(
                 replace(config, heads_per_program=most), max_seqlen_q, nheads, nheads_k, kv_dtype
             )
             heads = choose_heads_per_program(
-                max(batch * q_tiles.q_tiles, 1), nheads_k, most, max(seqlen_k, 1), default_num_sms(device)
+                max(batch * widest.q_tiles, 1), nheads_k, most, max(seqlen_k, 1), default_num_sms(device)
             )
         config = replace(config, heads_per_program=heads)
     tiles = paged_tiles(config, max_seqlen_q, nheads, nheads_k, kv_dtype)

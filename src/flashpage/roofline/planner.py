@@ -43,6 +43,7 @@ __all__ = [
     "plan",
     "plan_attention",
     "plan_model",
+    "pow2_divisor_at_most",
 ]
 
 #: Phases the planner knows.
@@ -107,6 +108,14 @@ def choose_num_splits(
     return max(1, min(splits, cap))
 
 
+def pow2_divisor_at_most(n: int, cap: int) -> int:
+    """The largest power of two that divides ``n`` and is at most ``cap`` (at least 1)."""
+    h = 1
+    while h * 2 <= cap and n % (h * 2) == 0:
+        h *= 2
+    return h
+
+
 def choose_heads_per_program(
     batch: int,
     nheads_k: int,
@@ -138,9 +147,7 @@ def choose_heads_per_program(
     target = 2 * num_sms
     if batch * nheads_k >= target:
         return 1
-    h = 1
-    while h * 2 <= max_heads and nheads_k % (h * 2) == 0:
-        h *= 2
+    h = pow2_divisor_at_most(nheads_k, max_heads)
     while h > 1:
         splits = choose_num_splits(batch, nheads_k // h, seqlen_k, num_sms, min_tokens_per_split, max_splits)
         if batch * (nheads_k // h) * splits >= target:
