@@ -214,6 +214,9 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     spilled under 3.6) 0.97-1.05x in a probe of the same day. With 32-bit offsets (2026-12-04) it
     reads 1.30-1.39x the bf16 default at the planner's split counts (64-bit: 1.17-1.30x in the same
     run) and was still the fastest of 8 fp8 and 8 bf16 tile configurations on those five shapes.
+    Its V operand is read from shared memory byte by byte (Triton widens fp8 in the dot-operand
+    layout; ``benchmarks/probes/decode_sass.py``); reading int32 words widened in registers cut the
+    loop from 859 to 760 instructions (triton 3.6) but read 4-22% slower on the H100 (2026-12-05).
 
     The block-table indirection halves the load latency Triton's pipeliner assigns (``(num_stages -
     1) // 2`` stages ahead), so 2 stages issue a tile's loads one iteration ahead into one buffer; 5

@@ -1,0 +1,178 @@
+"""Probe (not part of the library): compile the paged attention kernel for sm_90 on a machine without
+a GPU and report what the GPU would run: registers, spills, shared memory and, per loop of the SASS,
+an instruction histogram. GPU time is scarce; this answers "what did Triton make of this change?"
+(vectorised loads? byte-wise shared loads? spills?) before a device run.
+
+Uses the installed triton's bundled ``ptxas`` and ``cuobjdump``. The constexprs follow
+:func:`flashpage.ops.paged_decode.launch_paged_attention` for a decode launch over a paged cache
+(block size 16, 32-bit offsets, KV-head-first grid, no PDL, no LSE), with every pointer and stride
+16-divisible, as Triton specialises them for a real cache. The kernel's three KV loops are the
+masked head tiles, the mask-free tiles (the one that matters for long contexts) and the masked tail.
+
+Checked against the device (triton 3.6, bf16 GQA 32/8 one-head decode): it reports the register
+counts measured there, 112 (88 with split-KV partials, 120 with 64-bit offsets), and 96 for the
+4-head split kernel. Findings (2026-12-05):
+
+- triton 3.9 gives the 4-head split kernel 111 registers (4 programs per SM instead of 3.6's 5);
+  ``maxnreg=96`` brings it to 5 with 24 bytes of stack spilled outside the mask-free loop. Not
+  timed: the device has triton 3.6.
+- fp8 (``--kv fp8``, 128-token tiles, early V): 254-255 registers, mask-free loop 840 (3.9) / 859
+  (3.6) instructions per thread per tile, 128 of them ``LDS.U8``: Triton widens fp8 in the dot-
+  operand layout, so V's transposed operand is read from shared memory byte by byte. Loading the
+  tiles as int32 words and widening them in registers (PTX ``cvt.rn.f16x2.e4m3x2``, then
+  ``tl.join``/``tl.reshape`` so the conversion cannot move) gave 541 (3.9) / 760 (3.6)
+  instructions and 163 / 145 registers, yet on the H100 (3.6) it read 4-22% slower than the byte
+  path (b32/32k 1.43-1.53x bf16 against 1.78x; b64/4k 1.29-1.31x against 1.68-1.69x; V-only
+  words 1.57-1.73x, K-only words equal to bytes). Not adopted.
+
+Run under a plain interpreter setting (``TRITON_INTERPRET`` unset): ``python decode_sass.py [--kv
+bf16|fp16|fp8] [--group G] [--heads-k HK] [--d D] [--split] [--sass FILE] [key=value ...]`` where
+each ``key=value`` sets a :class:`~flashpage.ops.paged_decode.PagedAttnConfig` field (default: the
+library's decode default for that KV dtype).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from flashpage.ops.paged_decode import PagedAttnConfig, _paged_attn_kernel, default_decode_config, paged_tiles
+
+_KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+_PTR_TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp8": "*fp8e4nv"}
+
+
+def compile_sm90(
+    config: PagedAttnConfig, kv: str = "bf16", group: int = 4, nheads_k: int = 8, head_dim: int = 128,
+    split: bool = False,
+) -> Any:  # fmt: skip
+    """The ``CompiledKernel`` of one decode launch of ``_paged_attn_kernel`` for sm_90."""
+    tiles = paged_tiles(config, 1, group * nheads_k, nheads_k, _KV_DTYPES[kv])
+    q = "fp16" if kv == "fp8" else kv
+    consts: dict[str, Any] = {
+        "G": group, "HPP": tiles.heads, "HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
+        "BLOCK_M": tiles.block_m, "BLOCK_N": config.block_n, "PAGE_SIZE": 16, "VARLEN_Q": False,
+        "HAS_BATCH_IDX": False, "SOFTCAP": False, "HAS_ALIBI": False, "KV_FP8": kv == "fp8", "SPLIT": split,
+        "WRITE_LSE": False, "DOT_PRECISION": "tf32", "UPCAST": False, "EARLY_V": config.early_v,
+        "FUSED_COMBINE": split and config.fused_combine, "USE_TMA": False,
+        "PREFETCH_TABLE": config.prefetch_table, "WIDE_OFFSETS": not config.narrow_offsets,
+        "HEADS_FIRST": config.heads_first, "PDL": False,
+    }  # fmt: skip
+    pointers = {"Q": f"*{q}", "Out": f"*{q}", "K": _PTR_TYPES[kv], "V": _PTR_TYPES[kv], "desc_k": _PTR_TYPES[kv],
+                "desc_v": _PTR_TYPES[kv]}  # fmt: skip
+    i32_ptrs = {"Arrivals", "BlockTable", "SeqlensK", "CuSeqlensQ", "BatchIdx"}
+    fp32_ptrs = {"Lse", "MidO", "MidLse", "Alibi", "KScale", "VScale"}
+    names = _paged_attn_kernel.arg_names
+    missing = {p.name for p in _paged_attn_kernel.params if p.is_constexpr} - set(consts)
+    if missing:
+        raise RuntimeError(f"decode_sass does not know the kernel's new constexprs {sorted(missing)}")
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for i, name in enumerate(names):
+        if name in consts:
+            signature[name] = "constexpr"
+            continue
+        if name in pointers:
+            signature[name] = pointers[name]
+        elif name in i32_ptrs:
+            signature[name] = "*i32"
+        elif name in fp32_ptrs:
+            signature[name] = "*fp32"
+        elif name in ("sm_scale", "softcap"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+        if signature[name].startswith("*") or name.startswith("stride"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(_paged_attn_kernel, signature, constexprs=consts, attrs=attrs)
+    options: dict[str, Any] = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    if config.maxnreg:
+        options["maxnreg"] = config.maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _tool(name: str) -> str:
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def sass_report(kernel: Any) -> dict[str, Any]:
+    """Registers, stack (spills), shared memory and per-loop instruction histograms of ``kernel``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
+                             check=True).stdout  # fmt: skip
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    if usage is None:
+        raise RuntimeError(f"no resource usage in cuobjdump's output: {res[-300:]}")
+    instrs = [(int(m[1], 16), m[2]) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    index = {addr: i for i, (addr, _) in enumerate(instrs)}
+    loops = []
+    for i, (addr, text) in enumerate(instrs):
+        jump = re.search(r"BRA\s.*?(0x[0-9a-f]+)", text)
+        target = int(jump[1], 16) if jump else addr
+        # A backward branch over more than a few instructions closes a loop (the KV loops here).
+        if target < addr and target in index and i - index[target] > 50:
+            body = instrs[index[target] : i + 1]
+            ops = Counter(t.split()[1] if t.startswith("@") else t.split()[0] for _, t in body)
+            loops.append({"instructions": len(body), "ops": dict(ops.most_common())})
+    return {"registers": int(usage[1]), "stack_bytes": int(usage[2]), "shared_bytes": kernel.metadata.shared,
+            "loops": loops, "sass": sass}  # fmt: skip
+
+
+def _config(kv: str, head_dim: int, overrides: list[str]) -> PagedAttnConfig:
+    cfg = default_decode_config(_KV_DTYPES[kv], head_dim)
+    fields = {f.name for f in dataclasses.fields(PagedAttnConfig)}
+    changes: dict[str, Any] = {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise SystemExit(f"unknown PagedAttnConfig field {key!r} (known: {sorted(fields)})")
+        changes[key] = ast.literal_eval(value)
+    return dataclasses.replace(cfg, **changes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kv", choices=sorted(_KV_DTYPES), default="bf16")
+    parser.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    parser.add_argument("--heads-k", type=int, default=8)
+    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--split", action="store_true", help="the split-KV variant (partials out)")
+    parser.add_argument("--top", type=int, default=16, help="opcodes shown per loop")
+    parser.add_argument("--json", action="store_true", help="print the report (without SASS) as JSON")
+    parser.add_argument("--sass", help="also write the SASS to this file")
+    parser.add_argument("overrides", nargs="*", help="PagedAttnConfig fields, key=value")
+    args = parser.parse_args()
+    cfg = _config(args.kv, args.d, args.overrides)
+    report = sass_report(compile_sm90(cfg, args.kv, args.group, args.heads_k, args.d, args.split))
+    if args.sass:
+        Path(args.sass).write_text(report["sass"])
+    del report["sass"]
+    if args.json:
+        print(json.dumps({"config": cfg.short(), "triton": triton.__version__, **report}))
+        return
+    print(f"{cfg.short()} ({args.kv}, triton {triton.__version__}): {report['registers']} registers, "
+          f"{report['stack_bytes']} bytes stack, {report['shared_bytes']} bytes shared")  # fmt: skip
+    for n, loop in enumerate(report["loops"]):
+        top = ", ".join(f"{op} {c}" for op, c in list(loop["ops"].items())[: args.top])
+        print(f"loop {n}: {loop['instructions']} instructions: {top}")
+
+
+if __name__ == "__main__":
+    main()
