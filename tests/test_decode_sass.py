@@ -34,7 +34,7 @@ def test_bf16_decode_fits_its_programs_per_sm() -> None:
 def test_fp8_decode_compiles_without_spills_to_speak_of() -> None:
     """fp8 default (128-token tiles, early V): at most 16 bytes of stack (triton 3.6's ptxas; none
     with 3.9). Its V operand is read byte-wise from shared memory (LDS.U8): reading words and
-    widening them in registers removed that but read 4-22% slower on the H100 (2026-12-05)."""
+    widening them in registers removed that but read 0.6-24% slower on the H100 (2026-12-05)."""
     rep = _report("--kv", "fp8")
     assert rep["stack_bytes"] <= 16, rep["stack_bytes"]
     assert rep["loops"][1]["ops"].get("HMMA.16816.F32", 0) == 64

@@ -21,11 +21,13 @@ counts measured there, 112 (88 with split-KV partials, 120 with 64-bit offsets),
   operand layout, so V's transposed operand is read from shared memory byte by byte. Loading the
   tiles as int32 words and widening them in registers (PTX ``cvt.rn.f16x2.e4m3x2``, then
   ``tl.join``/``tl.reshape`` so the conversion cannot move) gave 541 (3.9) / 760 (3.6)
-  instructions and 163 / 145 registers, yet on the H100 (3.6) it read 4-22% slower than the byte
-  path (b32/32k 1.43-1.53x bf16 against 1.78x; b64/4k 1.29-1.31x against 1.68-1.69x; V-only
-  words 1.57-1.73x, K-only words equal to bytes). Not adopted.
+  instructions and 163 / 145 registers, yet on the H100 (3.6, two runs, sequences x tokens/s over
+  the bf16 kernel) it read slower than the byte path: with the same tiles b1/128k 1.26-1.28x against
+  1.62x, b32/32k 1.43-1.53x against 1.78x, b64/4k 1.29-1.31x against 1.68-1.69x, b256/4k 1.67x
+  against 1.71x; the best word-path tiles per shape (64-token tiles, no early V) 0.6-6% below the
+  byte path; words for V only at best 1.63-1.73x, for K only within 1% of bytes. Not adopted.
 
-Run under a plain interpreter setting (``TRITON_INTERPRET`` unset): ``python decode_sass.py [--kv
+Run without the Triton interpreter (``TRITON_INTERPRET`` unset): ``python decode_sass.py [--kv
 bf16|fp16|fp8] [--group G] [--heads-k HK] [--d D] [--split] [--sass FILE] [key=value ...]`` where
 each ``key=value`` sets a :class:`~flashpage.ops.paged_decode.PagedAttnConfig` field (default: the
 library's decode default for that KV dtype).

@@ -216,7 +216,8 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     run) and was still the fastest of 8 fp8 and 8 bf16 tile configurations on those five shapes.
     Its V operand is read from shared memory byte by byte (Triton widens fp8 in the dot-operand
     layout; ``benchmarks/probes/decode_sass.py``); reading int32 words widened in registers cut the
-    loop from 859 to 760 instructions (triton 3.6) but read 4-22% slower on the H100 (2026-12-05).
+    loop from 859 to 760 instructions (triton 3.6) but read slower on the H100 (2026-12-05): 2-24%
+    with these tiles, 0.6-6% with the best word-path tiles of each shape.
 
     The block-table indirection halves the load latency Triton's pipeliner assigns (``(num_stages -
     1) // 2`` stages ahead), so 2 stages issue a tile's loads one iteration ahead into one buffer; 5
