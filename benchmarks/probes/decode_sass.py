@@ -95,8 +95,10 @@ def compile_sm90(
             signature[name] = "*fp32"
         elif name in ("sm_scale", "softcap"):
             signature[name] = "fp32"
-        else:
+        elif name.startswith("stride") or name in ("window_left", "window_right", "num_splits", "q_per_seq"):
             signature[name] = "i32"
+        else:
+            raise RuntimeError(f"decode_sass does not know the type of the kernel's argument {name!r}")
         if signature[name].startswith("*") or name.startswith("stride"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(_paged_attn_kernel, signature, constexprs=consts, attrs=attrs)
