@@ -3,9 +3,9 @@ a GPU and report what the GPU would run: registers, spills, shared memory and, p
 an instruction histogram. GPU time is scarce; this answers "what did Triton make of this change?"
 (vectorised loads? byte-wise shared loads? spills?) before a device run.
 
-Uses the installed triton's bundled ``ptxas`` and ``cuobjdump``. The constexprs follow
-:func:`flashpage.ops.paged_decode.launch_paged_attention` for a decode launch over a paged cache
-(block size 16, 32-bit offsets, KV-head-first grid, no PDL, no LSE), with every pointer and stride
+Uses the installed triton's bundled ``ptxas`` and ``cuobjdump``. The constexprs come from
+:func:`flashpage.ops.paged_decode.paged_kernel_constexprs`, as the launcher's, for a decode launch
+over a paged cache (block size 16, offsets and grid order per the config, no PDL, no LSE), with every pointer and stride
 16-divisible, as Triton specialises them for a real cache. The kernel's three KV loops are the
 masked head tiles, the mask-free tiles (the one that matters for long contexts) and the masked tail.
 
@@ -51,7 +51,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flashpage.ops.paged_decode import PagedAttnConfig, _paged_attn_kernel, default_decode_config, paged_tiles
+from flashpage.ops.paged_decode import (
+    PagedAttnConfig,
+    _paged_attn_kernel,
+    default_decode_config,
+    paged_kernel_constexprs,
+    paged_tiles,
+)
 
 _KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 _PTR_TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp8": "*fp8e4nv"}
@@ -64,23 +70,16 @@ def compile_sm90(
     """The ``CompiledKernel`` of one decode launch of ``_paged_attn_kernel`` for sm_90."""
     tiles = paged_tiles(config, 1, group * nheads_k, nheads_k, _KV_DTYPES[kv])
     q = "fp16" if kv == "fp8" else kv
-    consts: dict[str, Any] = {
-        "G": group, "HPP": tiles.heads, "HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
-        "BLOCK_M": tiles.block_m, "BLOCK_N": config.block_n, "PAGE_SIZE": 16, "VARLEN_Q": False,
-        "HAS_BATCH_IDX": False, "SOFTCAP": False, "HAS_ALIBI": False, "KV_FP8": kv == "fp8", "SPLIT": split,
-        "WRITE_LSE": False, "DOT_PRECISION": "tf32", "UPCAST": False, "EARLY_V": config.early_v,
-        "FUSED_COMBINE": split and config.fused_combine, "USE_TMA": False,
-        "PREFETCH_TABLE": config.prefetch_table, "WIDE_OFFSETS": not config.narrow_offsets,
-        "HEADS_FIRST": config.heads_first, "PDL": False,
-    }  # fmt: skip
+    consts = paged_kernel_constexprs(
+        config, tiles, group=group, head_dim=head_dim, page_size=16, fp8=kv == "fp8", split=split,
+        fp32_dot=False, fused=split and config.fused_combine, wide=not config.narrow_offsets,
+        heads_first=config.heads_first,
+    )  # fmt: skip
     pointers = {"Q": f"*{q}", "Out": f"*{q}", "K": _PTR_TYPES[kv], "V": _PTR_TYPES[kv], "desc_k": _PTR_TYPES[kv],
                 "desc_v": _PTR_TYPES[kv]}  # fmt: skip
     i32_ptrs = {"Arrivals", "BlockTable", "SeqlensK", "CuSeqlensQ", "BatchIdx"}
     fp32_ptrs = {"Lse", "MidO", "MidLse", "Alibi", "KScale", "VScale"}
     names = _paged_attn_kernel.arg_names
-    missing = {p.name for p in _paged_attn_kernel.params if p.is_constexpr} - set(consts)
-    if missing:
-        raise RuntimeError(f"decode_sass does not know the kernel's new constexprs {sorted(missing)}")
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
     for i, name in enumerate(names):

@@ -63,6 +63,7 @@ __all__ = [
     "launch_paged_attention",
     "paged_decode",
     "paged_grid",
+    "paged_kernel_constexprs",
     "paged_tiles",
     "resolve_launch",
     "resolve_num_splits",
@@ -985,18 +986,15 @@ def launch_paged_attention(
             alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
             *mid_strides,
         ]  # fmt: skip
-        kwargs = {
-            "G": group, "HPP": tiles.heads, "HEAD_DIM": head_dim, "BLOCK_D": max(16, next_pow2(head_dim)), "BLOCK_M": block_m,
-            "BLOCK_N": config.block_n, "PAGE_SIZE": page_size, "VARLEN_Q": cu_seqlens_q is not None,
-            "HAS_BATCH_IDX": cache_batch_idx is not None, "SOFTCAP": softcap > 0,
-            "HAS_ALIBI": alibi_slopes is not None, "KV_FP8": fp8, "SPLIT": split, "WRITE_LSE": write_lse,
-            "DOT_PRECISION": "ieee" if q.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast,
-            "EARLY_V": config.early_v, "FUSED_COMBINE": fused, "USE_TMA": use_tma,
-            "PREFETCH_TABLE": config.prefetch_table, "WIDE_OFFSETS": wide, "HEADS_FIRST": heads_first,
-            "PDL": pdl, "num_warps": config.num_warps,
-            "num_stages": config.num_stages,
-            **({"maxnreg": config.maxnreg} if config.maxnreg and q.device.type == "cuda" else {}),
-        }  # fmt: skip
+        kwargs = paged_kernel_constexprs(
+            config, tiles, group=group, head_dim=head_dim, page_size=page_size, fp8=fp8, split=split,
+            fp32_dot=q.dtype == torch.float32 or upcast, upcast=upcast, varlen_q=cu_seqlens_q is not None,
+            batch_idx=cache_batch_idx is not None, softcap=softcap > 0, alibi=alibi_slopes is not None,
+            write_lse=write_lse, fused=fused, use_tma=use_tma, wide=wide, heads_first=heads_first, pdl=pdl,
+        )  # fmt: skip
+        kwargs.update(num_warps=config.num_warps, num_stages=config.num_stages)
+        if config.maxnreg and q.device.type == "cuda":
+            kwargs["maxnreg"] = config.maxnreg
         return args, kwargs
 
     _PAGED_LAUNCHES.launch(key, grid, _PAGED_SLOTS, values, build)
@@ -1024,6 +1022,45 @@ def launch_paged_attention(
             (*c_tensors, *c_ints),
             build_combine,
         )
+
+
+def paged_kernel_constexprs(
+    config: PagedAttnConfig,
+    tiles: PagedTiles,
+    *,
+    group: int,
+    head_dim: int,
+    page_size: int,
+    fp8: bool,
+    split: bool,
+    fp32_dot: bool,
+    upcast: bool = False,
+    varlen_q: bool = False,
+    batch_idx: bool = False,
+    softcap: bool = False,
+    alibi: bool = False,
+    write_lse: bool = False,
+    fused: bool = False,
+    use_tma: bool = False,
+    wide: bool = False,
+    heads_first: bool = False,
+    pdl: bool = False,
+) -> dict[str, Any]:
+    """The compile-time arguments of :func:`_paged_attn_kernel` for one launch (by name).
+
+    :func:`launch_paged_attention` derives the flags from its arguments; the offline codegen probe
+    (``benchmarks/probes/decode_sass.py``) passes the decode case it compiles. ``page_size`` is
+    ``0`` for a contiguous cache; ``fp32_dot``: ``tl.dot`` in IEEE fp32 (fp32 queries, or bf16
+    upcast under the interpreter) instead of tf32/bf16.
+    """
+    return {
+        "G": group, "HPP": tiles.heads, "HEAD_DIM": head_dim, "BLOCK_D": max(16, next_pow2(head_dim)),
+        "BLOCK_M": tiles.block_m, "BLOCK_N": config.block_n, "PAGE_SIZE": page_size, "VARLEN_Q": varlen_q,
+        "HAS_BATCH_IDX": batch_idx, "SOFTCAP": softcap, "HAS_ALIBI": alibi, "KV_FP8": fp8, "SPLIT": split,
+        "WRITE_LSE": write_lse, "DOT_PRECISION": "ieee" if fp32_dot else "tf32", "UPCAST": upcast,
+        "EARLY_V": config.early_v, "FUSED_COMBINE": fused, "USE_TMA": use_tma,
+        "PREFETCH_TABLE": config.prefetch_table, "WIDE_OFFSETS": wide, "HEADS_FIRST": heads_first, "PDL": pdl,
+    }  # fmt: skip
 
 
 def _max_offset(t: Tensor) -> int:
