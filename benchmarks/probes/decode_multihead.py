@@ -50,6 +50,7 @@ import triton.language as tl
 from decode_page_order import SHAPE, decode_inputs, read_all, run_probe, table_case, tables, time_rows
 from torch import Tensor
 
+from flashpage.ops.launch_cache import KERNEL_OPTIONS
 from flashpage.ops.paged_plan import plan_decode, run_decode
 
 
@@ -141,7 +142,7 @@ def mh_decode(q: Tensor, k: Tensor, v: Tensor, bt: Tensor, seqlens: Tensor, spli
         q, k, v, mid_o, mid_l, bt, seqlens, splits, d**-0.5 * 1.4426950408889634,
         k.stride(0), k.stride(1), bt.stride(0),
         PAGE=page, PPT=ppt, HPP=hpp, G=h // hk, HK=hk, D=d, EARLY_V=bool(early_v),
-        num_warps=warps, num_stages=stages, **extra,
+        num_warps=warps, num_stages=stages, **extra, **KERNEL_OPTIONS,
     )  # fmt: skip
 
 
@@ -203,7 +204,7 @@ def probe_shape(
 
                 def rp(bt: Tensor = bt, sp: int = sp, out: Tensor = out, ppt: int = ppt) -> Tensor:
                     _read_page_kernel[(sp, b)](kc, vc, out, bt, seqlens, sp, kc.stride(0), bt.stride(0),
-                                               PAGE=bs, PPT=ppt, HK=hk, D=d, num_warps=8, num_stages=2)  # fmt: skip
+                                               PAGE=bs, PPT=ppt, HK=hk, D=d, num_warps=8, num_stages=2, **KERNEL_OPTIONS)  # fmt: skip
                     return out
 
                 got = rp().view(b, sp, d).sum(1)

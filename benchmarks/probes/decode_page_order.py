@@ -69,6 +69,7 @@ from torch import Tensor
 
 from flashpage.bench.common import do_bench_ms, round_robin
 from flashpage.bench.decode import block_manager_table
+from flashpage.ops.launch_cache import KERNEL_OPTIONS
 from flashpage.ops.paged_decode import default_decode_config
 from flashpage.ops.paged_plan import plan_decode, run_decode
 
@@ -101,7 +102,7 @@ def _read_kernel(K, V, Out, BT, SeqlensK, num_splits, stride_kb, stride_kt, stri
 def read_all(k: Tensor, v: Tensor, bt: Tensor, seqlens: Tensor, splits: int, out: Tensor) -> Tensor:
     b, hk, d, page = bt.shape[0], k.shape[2], k.shape[3], k.shape[1]
     _read_kernel[(hk, splits, b)](k, v, out, bt, seqlens, splits, k.stride(0), k.stride(1), k.stride(2),
-                                  bt.stride(0), PAGE=page, BLOCK_N=64, D=d, num_warps=4, num_stages=2)  # fmt: skip
+                                  bt.stride(0), PAGE=page, BLOCK_N=64, D=d, num_warps=4, num_stages=2, **KERNEL_OPTIONS)  # fmt: skip
     return out
 
 

@@ -51,6 +51,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from flashpage.ops.launch_cache import KERNEL_OPTIONS
 from flashpage.ops.paged_decode import (
     PagedAttnConfig,
     _paged_attn_kernel,
@@ -101,7 +102,11 @@ def compile_sm90(
         if signature[name].startswith("*") or name.startswith("stride"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(_paged_attn_kernel, signature, constexprs=consts, attrs=attrs)
-    options: dict[str, Any] = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    options: dict[str, Any] = {
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+        **KERNEL_OPTIONS,
+    }
     if config.maxnreg:
         options["maxnreg"] = config.maxnreg
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

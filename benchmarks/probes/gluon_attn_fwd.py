@@ -48,6 +48,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # The TMA copies under their triton 3.6 / 3.9 names, and the online-softmax step of the library's kernel.
 from flashpage.ops.flash_fwd_ws import online_softmax_step as _softmax_step
 from flashpage.ops.flash_fwd_ws import tma_load, tma_store
+from flashpage.ops.launch_cache import KERNEL_OPTIONS
 
 
 @gluon.jit
@@ -175,8 +176,8 @@ def gluon_attn_fwd(
     descs = descriptors(q, k, v, o, block_m, block_n)
     grid = (s // block_m, b * h)
     gluon_attn_fwd_kernel[grid](
-        *descs, s, d**-0.5 * 1.4426950408889634, block_m, block_n, d, stages, num_warps=num_warps
-    )
+        *descs, s, d**-0.5 * 1.4426950408889634, block_m, block_n, d, stages, num_warps=num_warps, **KERNEL_OPTIONS
+    )  # fmt: skip
     return o
 
 
@@ -204,7 +205,9 @@ def compile_for_sm90(block_m: int = 128, block_n: int = 128, stages: int = 2, nu
     }
     sig |= dict.fromkeys(consts, "constexpr")
     src = GluonASTSource(gluon_attn_fwd_kernel, sig, constexprs=consts)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    kernel = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **KERNEL_OPTIONS}
+    )
     return str(kernel.asm["ptx"])
 
 

@@ -58,6 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashpage.ops.flash_fwd_ws import online_softmax_step, tma_load
+from flashpage.ops.launch_cache import KERNEL_OPTIONS
 
 ROWS = gl.constexpr(64)  # wgmma's smallest M: the GQA group is padded to it
 
@@ -206,7 +207,7 @@ def gluon_paged_decode(
         q, *_descriptors(k_cache, v_cache, pages_per_tile), block_table, seqlens, mid_o, mid_l,
         q.stride(0), q.stride(1), block_table.stride(0), block_table.shape[1], num_splits,
         d**-0.5 * 1.4426950408889634, h // hk, d, k_cache.shape[1], pages_per_tile, stages,
-        num_warps=4, maxnreg=maxnreg,
+        num_warps=4, maxnreg=maxnreg, **KERNEL_OPTIONS,
     )  # fmt: skip
     if not merge:
         return mid_o, mid_l
@@ -230,7 +231,9 @@ def compile_for_sm90(pages_per_tile: int = 4, stages: int = 3) -> str:
     consts = {"G": 4, "HEAD_DIM": 128, "PAGE": 16, "PPT": pages_per_tile, "STAGES": stages, "num_warps": 4}
     sig |= dict.fromkeys(consts, "constexpr")
     src = GluonASTSource(gluon_paged_decode_kernel, sig, constexprs=consts)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 128})
+    kernel = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 128, **KERNEL_OPTIONS}
+    )
     return str(kernel.asm["ptx"])
 
 

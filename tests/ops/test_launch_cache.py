@@ -405,3 +405,48 @@ def test_remembered_computes_once_per_key() -> None:
     assert cache.remembered("b", lambda: 0) == 0 and calls == [1]
     cache.clear()
     assert cache.remembered("a", lambda: 9) == 9
+
+
+def test_every_kernel_launch_pins_fp_fusion(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    """Each flashpage kernel is launched with ``KERNEL_OPTIONS`` (fp fusion on), directly or through a
+    LaunchCache: triton 3.10 turns fusion off where a launch leaves it unset. Seen on the interpreter,
+    which receives every launch's keyword arguments before it drops the compile options."""
+    if device == "cuda":
+        pytest.skip("records launches through the Triton interpreter")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from flashpage.ops.cache_write import reshape_and_cache
+    from flashpage.ops.flash_attn import flash_attn_func
+    from flashpage.ops.fused_ops import rms_norm, rope_qk, silu_and_mul
+    from flashpage.ops.launch_cache import KERNEL_OPTIONS
+
+    seen: dict[str, set[Any]] = {}
+    real_run = InterpretedFunction.run
+
+    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        seen.setdefault(self.__name__, set()).add(kwargs.get("enable_fp_fusion"))
+        return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    monkeypatch.setenv("FLASHPAGE_BACKEND", "triton")
+    t, h, hk, d = 5, 4, 2, 32
+    rms_norm(torch.randn(t, 32), torch.ones(32), 1e-6, residual=torch.randn(t, 32))
+    rope_qk(torch.randn(t, h, d), torch.randn(t, hk, d), torch.randn(t, d // 2), torch.randn(t, d // 2))
+    silu_and_mul(torch.randn(t, 64))
+    k_cache, v_cache = torch.zeros(8, 16, hk, d), torch.zeros(8, 16, hk, d)
+    reshape_and_cache(torch.randn(t, hk, d), torch.randn(t, hk, d), k_cache, v_cache, torch.arange(t))
+    q, k, v = (torch.randn(1, 24, n, d, requires_grad=True) for n in (h, hk, hk))
+    out, _, _ = flash_attn_func(q, k, v, dropout_p=0.1, causal=True, return_attn_probs=True)
+    out.sum().backward()
+    block_table = torch.arange(8, dtype=torch.int32).view(1, 8)
+    flash_attn_with_kvcache(
+        q[:, :1].detach(), k_cache, v_cache, cache_seqlens=128, block_table=block_table, num_splits=2
+    )
+    expected = {
+        "_rms_norm_kernel", "_rope_kernel", "_silu_mul_kernel", "_reshape_and_cache_kernel", "_attn_fwd_kernel",
+        "_attn_probs_kernel", "_paged_attn_kernel", "_combine_kernel",
+    }  # fmt: skip
+    assert expected <= seen.keys(), sorted(seen)
+    assert any(name.startswith("_bwd") for name in seen), sorted(seen)
+    unpinned = {name: flags for name, flags in seen.items() if flags != {KERNEL_OPTIONS["enable_fp_fusion"]}}
+    assert not unpinned and KERNEL_OPTIONS["enable_fp_fusion"] is True, unpinned

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from flashpage.ops.flash_configs import tma_supported
 from flashpage.ops.flash_fwd import make_row_descriptor
+from flashpage.ops.launch_cache import KERNEL_OPTIONS
 
 __all__ = ["TUTORIAL_CONFIGS", "tutorial_attention"]
 
@@ -118,6 +119,6 @@ def tutorial_attention(
         descs = [make_row_descriptor(t, True, blk, d) for t, blk in zip(rows, (bm, bn, bn))]
     _tutorial_fwd_kernel[(s // bm, b * h)](
         *descs, *rows, out, s, d**-0.5 * 1.4426950408889634,
-        D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, USE_TMA=use_tma, num_warps=warps, num_stages=stages,
+        D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, USE_TMA=use_tma, num_warps=warps, num_stages=stages, **KERNEL_OPTIONS,
     )  # fmt: skip
     return out

@@ -60,7 +60,15 @@ from flashpage.ops.flash_configs import (
     tma_supported,
     ws_supported,
 )
-from flashpage.ops.launch_cache import LaunchCache, Memo, aligned, cdiv, int_spec, programs_per_sm
+from flashpage.ops.launch_cache import (
+    KERNEL_OPTIONS,
+    LaunchCache,
+    Memo,
+    aligned,
+    cdiv,
+    int_spec,
+    programs_per_sm,
+)
 
 __all__ = [
     "AttnProblem",
@@ -1301,6 +1309,6 @@ def attention_probs(
         c["qk_scale"], c["cap_in"], c["cap_out"], c["window_left"], c["window_right"], prob.dropout_p, seed,
         HEAD_DIM=prob.head_dim, BLOCK_D=prob.block_d, BLOCK_M=bm, BLOCK_N=bn, VARLEN=prob.varlen,
         HAS_LEFT=c["HAS_LEFT"], HAS_RIGHT=c["HAS_RIGHT"], SOFTCAP=c["SOFTCAP"], HAS_ALIBI=c["HAS_ALIBI"],
-        DROPOUT=c["DROPOUT"], DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=1,
+        DROPOUT=c["DROPOUT"], DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=1, **KERNEL_OPTIONS,
     )  # fmt: skip
     return p_out

@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashpage.ops.launch_cache import LaunchCache, aligned, int_spec
+from flashpage.ops.launch_cache import KERNEL_OPTIONS, LaunchCache, aligned, int_spec
 
 __all__ = [
     "WS_BLOCK_M",
@@ -490,5 +490,5 @@ def compile_ptx(
     }  # fmt: skip
     sig |= dict.fromkeys(consts, "constexpr")
     src = GluonASTSource(_attn_fwd_ws_kernel, sig, constexprs=consts)
-    opts = {"num_warps": 4, "maxnreg": _MAXNREG}
+    opts = {"num_warps": 4, "maxnreg": _MAXNREG, **KERNEL_OPTIONS}
     return str(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"])

@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from flashpage.ops.backend import interpreter_enabled
-from flashpage.ops.launch_cache import cdiv, next_pow2
+from flashpage.ops.launch_cache import KERNEL_OPTIONS, cdiv, next_pow2
 
 __all__ = ["rms_norm", "rope_qk", "silu_and_mul"]
 
@@ -99,7 +99,7 @@ def rms_norm(
     res = residual if residual is not None else x
     _rms_norm_kernel[(t,)](
         x, res, weight, out, rout, x.stride(0), res.stride(0), out.stride(0), rout.stride(0), n, float(eps),
-        HAS_RES=residual is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)),
+        HAS_RES=residual is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)), **KERNEL_OPTIONS,
     )  # fmt: skip
     return (out, rout) if residual is not None else out
 
@@ -178,7 +178,7 @@ def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Ten
     _rope_kernel[(t,)](
         q, k, cos, sin, qo, ko, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         h, hk, d // 2, BLOCK_H=next_pow2(max(h, hk)), BLOCK_D=next_pow2(d // 2),
-        num_warps=4,
+        num_warps=4, **KERNEL_OPTIONS,
     )  # fmt: skip
     return qo, ko
 
@@ -215,6 +215,6 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
         return out
     block = min(2048, next_pow2(inter))
     _silu_mul_kernel[(t, cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4, **KERNEL_OPTIONS
     )
     return out

@@ -27,14 +27,31 @@ every call under the Triton interpreter (which has no compiled kernel), goes thr
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["LaunchCache", "Memo", "aligned", "cdiv", "int_spec", "next_pow2", "programs_per_sm"]
+__all__ = [
+    "KERNEL_OPTIONS",
+    "LaunchCache",
+    "Memo",
+    "aligned",
+    "cdiv",
+    "int_spec",
+    "next_pow2",
+    "programs_per_sm",
+]
+
+#: Compile options every flashpage kernel launch passes (``kernel[grid](..., **KERNEL_OPTIONS)``;
+#: :class:`LaunchCache` adds them itself). ``enable_fp_fusion``: the kernels were tuned, and their
+#: errors measured, with fused multiply-adds (the softmax's ``s * scale - m`` is one FFMA); triton
+#: 3.9 warns at every compile that leaves it unset and says 3.10 will turn fusion off by default, so
+#: it is pinned rather than left to the installed triton. Same code as the default of triton 3.6-3.9.
+KERNEL_OPTIONS: Mapping[str, Any] = MappingProxyType({"enable_fp_fusion": True})
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31
 _I64_MAX = 2**63
@@ -164,7 +181,7 @@ class LaunchCache:
             plan.kernel[grid if len(grid) == 3 else (*grid, 1, 1)[:3]](*args)
             return
         args, kwargs = build()
-        kernel = self.fn[grid](*args, **kwargs)
+        kernel = self.fn[grid](*args, **{**KERNEL_OPTIONS, **kwargs})
         if key is not None:
             self._remember(key, kernel, args, kwargs, slots, values)
 
@@ -185,7 +202,7 @@ class LaunchCache:
         if warmup is None:
             return None
         args, kwargs = build()
-        kernel = warmup(*args, grid=(1,), **kwargs)
+        kernel = warmup(*args, grid=(1,), **{**KERNEL_OPTIONS, **kwargs})
         self._remember(key, kernel, args, kwargs, slots, values)
         return kernel if hasattr(kernel, "packed_metadata") else None
 
