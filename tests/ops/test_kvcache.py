@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import Tensor
+from torch._dynamo.backends.debugging import aot_eager
 
 from flashpage.ops.kvcache import flash_attn_with_kvcache
 from flashpage.ops.reference import attention_ref, paged_attention_ref
@@ -194,3 +195,63 @@ def test_noncausal_rotary_rotates_all_queries_at_cache_seqlens() -> None:
     ref = _contig_ref(q_rot, kc, vc, [0, 1], [4, 10])
     same = _contig_ref(q_rot, kc, vc, [0, 1], [4, 10], upcast=False)
     assert_close_to_ref(out, ref, same)
+
+
+def _compile_case(paged: bool) -> tuple[dict[str, object], Tensor, Tensor]:
+    """Arguments of one append + attend call (new k/v, rotary, LSE) and its two caches."""
+    nheads, nheads_k, d, sn = 4, 2, 32, 2
+    old = [5, 20]
+    if paged:
+        kc, vc, bt, _ = make_paged_cache([n + sn for n in old], 8, nheads_k, d)
+        extra: dict[str, object] = {"block_table": bt, "cache_seqlens": torch.tensor(old, dtype=torch.int32)}
+    else:
+        kc, vc = torch.randn(2, 3, 32, nheads_k, d).unbind(0)
+        extra = {"cache_batch_idx": torch.tensor([2, 0], dtype=torch.int32), "cache_seqlens": 20}
+    _, cos, sin = _rotary_tables(48, 16)
+    k, v = torch.randn(2, 2, sn, nheads_k, d).unbind(0)
+    args = {
+        "q": torch.randn(2, sn, nheads, d), "k": k, "v": v, "rotary_cos": cos, "rotary_sin": sin, "causal": True,
+        "window_size": [6, 0], "return_softmax_lse": True, **extra,
+    }  # fmt: skip
+    return args, kc, vc
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_torch_compile_fullgraph_matches_eager(paged: bool) -> None:
+    """flash_attn_with_kvcache traces whole under torch.compile (the cache write and the attention
+    are custom ops; flash-attn 2.x graph-breaks here) and writes and returns what eager does."""
+    args, kc, vc = _compile_case(paged)
+    kc2, vc2 = kc.clone(), vc.clone()
+    out, lse = flash_attn_with_kvcache(k_cache=kc, v_cache=vc, **args)  # type: ignore[arg-type,misc]
+
+    def step(k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
+        return flash_attn_with_kvcache(k_cache=k_cache, v_cache=v_cache, **args)  # type: ignore[arg-type,misc,return-value]
+
+    targets: set[str] = set()
+
+    def backend(gm: torch.fx.GraphModule, inputs: list[Tensor]) -> object:
+        targets.update(str(node.target) for node in gm.graph.nodes)
+        return aot_eager(gm, inputs)
+
+    torch._dynamo.reset()
+    out2, lse2 = torch.compile(step, fullgraph=True, backend=backend)(kc2, vc2)
+    assert {"flashpage.reshape_and_cache.default", "flashpage.kvcache_attention.default"} <= targets, targets
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)  # the compiled graph wrote the caches in place
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+
+
+def test_custom_ops_pass_opcheck() -> None:
+    """The two ops' schemas, fake kernels and declared mutations agree with what they do."""
+    from flashpage.ops.kvcache import _cache_append_op, _cache_attention_op
+
+    args, kc, vc = _compile_case(paged=True)
+    q, k, v, bt = args["q"], args["k"], args["v"], args["block_table"]
+    assert (
+        isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor) and isinstance(bt, Tensor)
+    )
+    slots = (bt.long()[:, :1] * kc.shape[1] + torch.arange(2)).reshape(-1)  # 2 tokens into each first block
+    torch.library.opcheck(_cache_append_op, (k.flatten(0, 1), v.flatten(0, 1), kc, vc, slots, None, None))
+    seqlens = torch.tensor([7, 22], dtype=torch.int32)
+    for lse in (True, False):
+        attn_args = (q, kc, vc, seqlens, None, bt, 0.2, True, -1, 0, 0.0, None, 0, lse, None, None)
+        torch.library.opcheck(_cache_attention_op, attn_args)

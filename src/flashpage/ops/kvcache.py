@@ -17,6 +17,11 @@ paged caches of any power-of-two block size from 8 to 256:
 Extensions (keyword-only): an fp8 e4m3 cache is read with unit scales, or ``k_scale/v_scale
 (nheads_k,)`` when given (new k/v are quantised with them); ``validate=False`` skips the host-side
 value checks (block ids, lengths), which need a device sync.
+
+Under ``torch.compile`` the call traces whole (``fullgraph=True``): the cache write and the attention
+run as the custom ops ``flashpage::reshape_and_cache`` (mutates ``k_cache``/``v_cache``) and
+``flashpage::kvcache_attention``, the rotary embedding and slot arithmetic as plain torch ops, and the
+value checks are skipped (as ``validate=False``), since they read the device.
 """
 
 from __future__ import annotations
@@ -105,7 +110,7 @@ def flash_attn_with_kvcache(
     """
     if not isinstance(q, Tensor) or q.dim() != 4:
         raise ValueError(f"q must be (batch, seqlen_q, nheads, d), got {getattr(q, 'shape', q)}")
-    batch, seqlen_q, nheads, d = q.shape
+    batch, seqlen_q, _, d = q.shape
     paged = block_table is not None
     if not isinstance(k_cache, Tensor) or k_cache.dim() != 4:
         raise ValueError(f"k_cache must be a 4-D tensor, got {getattr(k_cache, 'shape', k_cache)}")
@@ -164,7 +169,8 @@ def flash_attn_with_kvcache(
                 f"rotary_cos/sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim <= {d}, "
                 f"got {tuple(rotary_cos.shape)} / {tuple(rotary_sin.shape)}"
             )
-    if validate:
+    compiling = torch.compiler.is_compiling()
+    if validate and not compiling:  # value checks read the device (a sync, a graph break): eager only
         check_paged_values(
             block_table, cache_seqlens + seqlen_new, k_cache.shape[0], k_cache.shape[1] if paged else capacity,
             seqlens_name="cache_seqlens + seqlen_new",
@@ -184,7 +190,7 @@ def flash_attn_with_kvcache(
         ro_max = rotary_cos.shape[0] - 1
         pos_k = (start[:, None] + torch.arange(seqlen_new, device=q.device)).clamp_max(ro_max)
         k = apply_rotary(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved)
-        if causal or window_size != (-1, -1):
+        if causal or tuple(window_size) != (-1, -1):
             pos_q = start[:, None] + torch.arange(seqlen_q, device=q.device)
         else:
             pos_q = start[:, None].expand(batch, seqlen_q)
@@ -205,25 +211,73 @@ def flash_attn_with_kvcache(
             slots = rows[:, None] * k_cache.shape[1] + pos
         # Tokens past the cache's capacity are dropped (validate=True has already rejected them).
         slots = torch.where(pos < capacity, slots, -1)
-        reshape_and_cache(
+        append = _cache_append_op if compiling else _cache_append
+        append(
             k.reshape(batch * seqlen_new, *k.shape[2:]), v.reshape(batch * seqlen_new, *v.shape[2:]),
-            k_cache, v_cache, slots.reshape(-1), k_scale=k_scale, v_scale=v_scale, validate=False,
+            k_cache, v_cache, slots.reshape(-1), k_scale, v_scale,
         )  # fmt: skip
     seqlens_k = (cache_seqlens + seqlen_new).to(torch.int32) if seqlen_new else cache_seqlens
+    attend = _cache_attention_op if compiling else _cache_attention
+    out, lse = attend(
+        q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
+        float(softmax_scale) if softmax_scale is not None else d**-0.5, bool(causal), int(window_size[0]),
+        int(window_size[1]), float(softcap), alibi_slopes, int(num_splits), bool(return_softmax_lse), k_scale, v_scale,
+    )  # fmt: skip
+    return (out, lse) if return_softmax_lse else out
 
+
+# ----------------------------------------------------------------------------------------------
+# The two steps as custom ops, for torch.compile: the cache write mutates the caches, the attention
+# reads them. Eager calls run the functions directly (a custom op's dispatch costs host time).
+# ----------------------------------------------------------------------------------------------
+def _cache_append(
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+) -> None:
+    """Write ``k/v (tokens, nheads_k, d)`` into the caches at the flat ``slots (tokens,)`` (int64,
+    ``-1`` = drop), in place."""
+    reshape_and_cache(k, v, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale, validate=False)
+
+
+def _cache_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    seqlens_k: Tensor,
+    cache_batch_idx: Tensor | None,
+    block_table: Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    num_splits: int,
+    return_softmax_lse: bool,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """``(out (batch, seqlen_q, nheads, d), lse (batch, nheads, seqlen_q) float32)`` of ``q`` over
+    the first ``seqlens_k (batch,)`` keys of the cache; ``lse`` is empty ``(0,)`` unless
+    ``return_softmax_lse``. Arguments as validated by :func:`flash_attn_with_kvcache`."""
+    batch, seqlen_q, nheads, d = q.shape
     nheads_k = k_cache.shape[2]
-    group = nheads // nheads_k
-    if seqlen_q * group <= _DECODE_ROWS:
-        config = default_decode_config(k_cache.dtype, d, paged=block_table is not None)
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    if seqlen_q * (nheads // nheads_k) <= _DECODE_ROWS:
+        config = default_decode_config(k_cache.dtype, d, paged=paged)
     else:
-        config = default_prefill_config(
-            d, q.device, k_cache.dtype, k_cache.shape[1] if block_table is not None else None
-        )
+        config = default_prefill_config(d, q.device, k_cache.dtype, k_cache.shape[1] if paged else None)
     config, _, splits = resolve_launch(
         config, num_splits, batch, seqlen_q, nheads, nheads_k, k_cache.dtype, capacity, q.device
     )
     qp = q.reshape(batch * seqlen_q, nheads, d)
-    out = torch.empty_like(qp)
+    out = torch.empty((batch * seqlen_q, nheads, d), dtype=q.dtype, device=q.device)
     lse = (
         torch.empty(batch, seqlen_q, nheads, dtype=torch.float32, device=q.device)
         if return_softmax_lse
@@ -233,11 +287,42 @@ def flash_attn_with_kvcache(
         launch_paged_attention(
             qp, k_cache, v_cache, out, seqlens_k, max_seqlen_q=seqlen_q, block_table=block_table,
             cache_batch_idx=cache_batch_idx, lse=lse.view(batch * seqlen_q, nheads).t() if lse is not None else None,
-            softmax_scale=softmax_scale if softmax_scale is not None else d**-0.5, causal=causal,
-            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, k_scale=k_scale,
-            v_scale=v_scale, num_splits=splits, config=config,
+            softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right), softcap=softcap,
+            alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale, num_splits=splits, config=config,
         )  # fmt: skip
     out = out.view(batch, seqlen_q, nheads, d)
     if lse is None:
-        return out
+        return out, q.new_empty((0,), dtype=torch.float32)
     return out, lse.permute(0, 2, 1).contiguous()
+
+
+_cache_append_op = torch.library.custom_op(
+    "flashpage::reshape_and_cache", _cache_append, mutates_args=("k_cache", "v_cache")
+)
+_cache_attention_op = torch.library.custom_op(
+    "flashpage::kvcache_attention", _cache_attention, mutates_args=()
+)
+
+
+@_cache_attention_op.register_fake
+def _cache_attention_fake(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    seqlens_k: Tensor,
+    cache_batch_idx: Tensor | None,
+    block_table: Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    num_splits: int,
+    return_softmax_lse: bool,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    batch, seqlen_q, nheads, d = q.shape
+    lse_shape = (batch, nheads, seqlen_q) if return_softmax_lse else (0,)
+    return q.new_empty((batch, seqlen_q, nheads, d)), q.new_empty(lse_shape, dtype=torch.float32)
