@@ -255,3 +255,15 @@ def test_custom_ops_pass_opcheck() -> None:
     for lse in (True, False):
         attn_args = (q, kc, vc, seqlens, None, bt, 0.2, True, -1, 0, 0.0, None, 0, lse, None, None)
         torch.library.opcheck(_cache_attention_op, attn_args)
+
+
+def test_window_size_as_a_list() -> None:
+    """``window_size=[-1, -1]`` (a list, as configs often hold it) is the unbounded window: with
+    rotary and no causal mask every query rotates at ``cache_seqlens``, as with the tuple."""
+    args, kc, vc = _compile_case(paged=True)
+    args.update(causal=False)
+    outs = []
+    for window in ([-1, -1], (-1, -1)):
+        args["window_size"] = window
+        outs.append(flash_attn_with_kvcache(k_cache=kc.clone(), v_cache=vc.clone(), **args))  # type: ignore[arg-type,misc]
+    assert torch.equal(outs[0][0], outs[1][0])
