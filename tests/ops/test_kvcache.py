@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import shutil
+
 import pytest
 import torch
 from torch import Tensor
@@ -267,3 +270,28 @@ def test_window_size_as_a_list() -> None:
         args["window_size"] = window
         outs.append(flash_attn_with_kvcache(k_cache=kc.clone(), v_cache=vc.clone(), **args))  # type: ignore[arg-type,misc]
     assert torch.equal(outs[0][0], outs[1][0])
+
+
+@pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler"
+)
+def test_inductor_writes_the_cache_in_place() -> None:
+    """Under inductor (torch.compile's default backend) the mutating cache-write op is re-inplaced:
+    the generated code writes the caller's cache and copies no cache (a functionalised copy would
+    cost a whole cache per call)."""
+    from torch._inductor.utils import run_and_get_code
+
+    args, kc, vc = _compile_case(paged=True)
+    args.update(rotary_cos=None, rotary_sin=None, return_softmax_lse=False)
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = flash_attn_with_kvcache(k_cache=kc2, v_cache=vc2, **args)  # type: ignore[arg-type,misc]
+
+    def step(k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        return flash_attn_with_kvcache(k_cache=k_cache, v_cache=v_cache, **args)  # type: ignore[arg-type,misc,return-value]
+
+    torch._dynamo.reset()
+    got, codes = run_and_get_code(torch.compile(step, fullgraph=True), kc, vc)
+    assert torch.equal(got, want) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    code = "\n".join(codes)
+    assert "flashpage.reshape_and_cache.default(" in code and "flashpage.kvcache_attention.default(" in code
+    assert not re.search(r"\.copy_\(|clone\(", code), code
