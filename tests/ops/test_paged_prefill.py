@@ -170,3 +170,77 @@ def test_hopper_prefill_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
             c = pp.default_prefill_config(d, dev, torch.float16, bs)
             assert c.block_m >= 16 * c.num_warps, c
             assert c.block_n <= bs or not c.use_tma, c  # TMA tiles lie inside one page
+
+
+def _varlen_paged_case() -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Three sequences (no prefix; one query after 17 cached; 40 after 48) over 16-token pages, GQA 8/2:
+    ``q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, cu_seqlens_k``."""
+    q, kc, vc, bt, sl, cu = _setup([5, 1, 40], [0, 17, 48], 16, 8, 2)
+    cu_k = torch.cat((sl.new_zeros(1), sl.cumsum(0))).to(torch.int32)
+    return q, kc, vc, bt, sl, cu, cu_k
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_flash_attn_varlen_func_over_a_paged_cache(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash-attn >= 2.6's paged varlen call: k/v are the caches, cu_seqlens_k sums each sequence's
+    cached keys, queries are the last positions (the paged prefill kernel on Triton)."""
+    from flashpage.ops.flash_attn import flash_attn_varlen_func
+
+    monkeypatch.setenv("FLASHPAGE_BACKEND", backend)
+    q, kc, vc, bt, sl, cu, cu_k = _varlen_paged_case()
+    out, lse, probs = flash_attn_varlen_func(
+        q, kc, vc, cu, cu_k, 40, int(sl.max()), causal=True, return_attn_probs=True, block_table=bt
+    )  # type: ignore[misc]
+    ref, ref_lse = _varlen_paged_ref(q, kc, vc, bt, cu, sl, causal=True)
+    same, _ = _varlen_paged_ref(q, kc, vc, bt, cu, sl, upcast=False, causal=True)
+    assert_close_to_ref(out, ref, same)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    assert probs.shape == (3, 8, 40, int(sl.max()))
+    # S_dmask rows are softmax rows: those of sequence 1's single query sum to 1 over its 18 keys.
+    torch.testing.assert_close(probs[1, :, 0].sum(-1), torch.ones(8), atol=1e-5, rtol=0)
+    plain = flash_attn_varlen_func(q, kc, vc, cu, cu_k, 40, int(sl.max()), causal=True, block_table=bt)
+    assert torch.equal(plain, out)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_paged_varlen_errors(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashpage.ops.flash_attn import flash_attn_varlen_func
+
+    monkeypatch.setenv("FLASHPAGE_BACKEND", backend)
+    q, kc, vc, bt, sl, cu, cu_k = _varlen_paged_case()
+    args = (q, kc, vc, cu, cu_k, 40, int(sl.max()))
+    with pytest.raises(ValueError, match="dropout"):
+        flash_attn_varlen_func(*args, dropout_p=0.1, block_table=bt)
+    with pytest.raises(ValueError, match="no backward"):
+        flash_attn_varlen_func(q.clone().requires_grad_(), *args[1:], block_table=bt)
+    with pytest.raises(TypeError, match="cu_seqlens_k must be int32"):
+        flash_attn_varlen_func(q, kc, vc, cu, cu_k.long(), 40, 64, block_table=bt)
+    with pytest.raises(ValueError, match="block_table must be"):
+        flash_attn_varlen_func(*args, block_table=bt[0])
+    with pytest.raises(ValueError, match="seqlens_k"):  # more keys than the table covers
+        flash_attn_varlen_func(q, kc, vc, cu, cu_k * 4, 40, 500, block_table=bt)
+
+
+def test_paged_varlen_traces_whole_under_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from flashpage.ops.flash_attn import flash_attn_varlen_func
+
+    monkeypatch.setenv("FLASHPAGE_BACKEND", "triton")
+    q, kc, vc, bt, _, cu, cu_k = _varlen_paged_case()
+
+    def attend(q: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
+        return flash_attn_varlen_func(  # type: ignore[return-value]
+            q, kc, vc, cu, cu_k, 40, 64, causal=True, window_size=(8, 0), block_table=bt
+        )
+
+    targets: set[str] = set()
+
+    def backend(gm: torch.fx.GraphModule, inputs: list[Tensor]) -> object:
+        targets.update(str(node.target) for node in gm.graph.nodes)
+        return aot_eager(gm, inputs)
+
+    torch._dynamo.reset()
+    got = torch.compile(attend, fullgraph=True, backend=backend)(q, kc, vc)
+    assert "flashpage.paged_varlen_attention.default" in targets, targets
+    assert torch.equal(got, attend(q, kc, vc))

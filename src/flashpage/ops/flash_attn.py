@@ -20,6 +20,10 @@ for the backward. The torch path draws a boolean keep mask with ``torch.rand`` o
 probabilities, with the dropout pattern in the sign as in flash-attn (``torch.signbit`` set = dropped).
 It is materialised by a separate kernel and is meant for tests at small sizes.
 
+``flash_attn_varlen_func(..., block_table=...)`` (flash-attn >= 2.6) attends packed queries over a
+paged KV cache with the paged prefill kernel (:mod:`flashpage.ops.paged_prefill`; custom op
+``flashpage::paged_varlen_attention`` under ``torch.compile``), forward only.
+
 ``flash_attn_varlen_fwd`` is the engine's no-autograd prefill entry (``(out, lse)``).
 """
 
@@ -33,7 +37,9 @@ from torch import Tensor
 from flashpage.ops.backend import resolve_backend
 from flashpage.ops.flash_bwd import flash_bwd
 from flashpage.ops.flash_fwd import AttnProblem, attention_probs, check_attention_inputs, flash_fwd
-from flashpage.ops.reference import attention_ref, varlen_attention_ref
+from flashpage.ops.paged_decode import check_paged_cache, check_paged_values
+from flashpage.ops.paged_prefill import check_cu_seqlens, paged_prefill
+from flashpage.ops.reference import attention_ref, gather_paged_kv, varlen_attention_ref
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_varlen_fwd"]
 
@@ -396,16 +402,22 @@ def flash_attn_varlen_func(
         q: ``(total_q, nheads, d)``; k, v: ``(total_k, nheads_k, d)``.
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` prefix sums of the sequence lengths.
         max_seqlen_q, max_seqlen_k: the longest query / key sequence.
-        block_table: paged KV is served by ``flash_attn_with_kvcache``; must be None here.
+        block_table: ``(batch, max_blocks_per_seq)`` int32 for a paged KV cache (flash-attn >= 2.6):
+            ``k``/``v`` are then the caches ``(num_blocks, block_size, nheads_k, d)`` (any power-of-two
+            block size 8-256, q's dtype or fp8 e4m3 read with unit scales), ``cu_seqlens_k`` the
+            prefix sums of each sequence's keys in the cache, whose queries are its last ones
+            (bottom-right alignment, as chunked prefill over a cached prefix needs). Forward only:
+            no dropout, no gradient.
         Other arguments: as :func:`flash_attn_func`; a ``(batch, nheads)`` alibi is per sequence.
 
     Returns:
         ``out (total_q, nheads, d)``, or ``(out, softmax_lse (nheads, total_q), S_dmask)``.
     """
     if block_table is not None:
-        raise ValueError(
-            "block_table (paged KV) is not supported by flash_attn_varlen_func; use flash_attn_with_kvcache"
-        )
+        return _paged_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+            causal, window_size, softcap, alibi_slopes, return_attn_probs,
+        )  # fmt: skip
     backend = resolve_backend(q.device if isinstance(q, Tensor) else None)
     validate = not torch.compiler.is_compiling()
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
@@ -428,6 +440,107 @@ def flash_attn_varlen_func(
             bool(deterministic), bool(return_attn_probs),
         )  # fmt: skip
     return (out, lse, probs) if return_attn_probs else out
+
+
+def _paged_varlen(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, block_table: Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float | None, causal: bool,
+    window_size: tuple[int, int], softcap: float, alibi_slopes: Tensor | None, return_attn_probs: bool,
+) -> Tensor | tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """:func:`flash_attn_varlen_func` over a paged cache: the paged prefill kernel (Triton backend) or
+    the reference over the gathered keys (torch backend)."""
+    if dropout_p:
+        raise ValueError(
+            f"dropout_p={dropout_p}: dropout is not supported with a paged KV cache (block_table)"
+        )
+    if torch.is_grad_enabled() and any(
+        isinstance(t, Tensor) and t.requires_grad for t in (q, k_cache, v_cache)
+    ):
+        raise ValueError(
+            "flash_attn_varlen_func with block_table (a paged KV cache) has no backward: call it under "
+            "torch.no_grad() or pass tensors that do not require grad"
+        )
+    if not isinstance(q, Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be packed (total_q, nheads, d), got {getattr(q, 'shape', q)}")
+    if not isinstance(block_table, Tensor) or block_table.dim() != 2:
+        raise ValueError(
+            f"block_table must be (batch, max_blocks_per_seq) int32, got {getattr(block_table, 'shape', block_table)}"
+        )
+    check_cu_seqlens(cu_seqlens_k, block_table.shape[0], -1, q.device, name="cu_seqlens_k")
+    seqlens_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    compiling = torch.compiler.is_compiling()
+    if (
+        not compiling and block_table.shape[0] and int(cu_seqlens_k[0]) != 0
+    ):  # the kernel reads the lengths only
+        raise ValueError(f"cu_seqlens_k must start at 0, got {int(cu_seqlens_k[0])}")
+    scale = _scale(q, softmax_scale)
+    wl, wr = int(window_size[0]), int(window_size[1])
+
+    def packed(return_probs: bool) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+        """The same attention over the keys gathered into flash-attn's packed layout (host reads:
+        for the reference backend and for ``S_dmask``, both meant for small sizes)."""
+        kp, vp = (_gather_pages(c, block_table, seqlens_k).to(q.dtype) for c in (k_cache, v_cache))
+        return flash_attn_varlen_func(
+            q, kp, vp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, scale, causal, (wl, wr),
+            softcap, alibi_slopes, return_attn_probs=return_probs,
+        )  # fmt: skip
+
+    if resolve_backend(q.device) == "torch":
+        batch = block_table.shape[0]
+        check_paged_cache(q, k_cache, v_cache, block_table, seqlens_k, batch=batch, seqlens_name="seqlens_k")
+        check_paged_values(
+            block_table, seqlens_k, k_cache.shape[0], k_cache.shape[1], seqlens_name="seqlens_k"
+        )
+        return packed(return_attn_probs)
+    run = _paged_varlen_op if compiling else _paged_varlen_impl
+    out, lse = run(
+        q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_seqlen_q, max_seqlen_k, scale, bool(causal),
+        wl, wr, float(softcap), alibi_slopes, not compiling,
+    )  # fmt: skip
+    return (out, lse, packed(True)[2]) if return_attn_probs else out
+
+
+def _gather_pages(cache: Tensor, block_table: Tensor, seqlens: Tensor) -> Tensor:
+    """The first ``seqlens[b]`` tokens of each sequence of a paged ``cache`` packed as
+    ``(sum(seqlens), nheads_k, d)`` (reads the lengths on the host; fp8 stays fp8, unscaled)."""
+    pieces = [gather_paged_kv(cache, block_table, n, b) for b, n in enumerate(seqlens.tolist())]
+    return torch.cat(pieces) if pieces else cache.new_empty((0, *cache.shape[2:]))
+
+
+def _paged_varlen_impl(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cu_seqlens_q: Tensor,
+    seqlens_k: Tensor,
+    block_table: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    validate: bool,
+) -> tuple[Tensor, Tensor]:
+    """``(out (total_q, nheads, d), lse (nheads, total_q) float32)`` of the paged prefill kernel."""
+    return paged_prefill(  # type: ignore[return-value]
+        q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_seqlen_q, softmax_scale=softmax_scale,
+        causal=causal, window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+        num_splits=0, max_seqlen_k=max(max_seqlen_k, 1), return_lse=True, validate=validate,
+    )  # fmt: skip
+
+
+_paged_varlen_op = torch.library.custom_op(
+    "flashpage::paged_varlen_attention", _paged_varlen_impl, mutates_args=()
+)
+
+
+@_paged_varlen_op.register_fake
+def _paged_varlen_fake(q: Tensor, *_args: object) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def flash_attn_varlen_fwd(

@@ -65,18 +65,21 @@ def default_prefill_config(
     return PagedAttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
-def check_cu_seqlens(cu_seqlens_q: Tensor, batch: int, total_q: int, device: torch.device) -> None:
-    """``cu_seqlens_q`` must be a contiguous int32 ``(batch + 1,)`` tensor on ``device`` (metadata only)."""
+def check_cu_seqlens(
+    cu_seqlens_q: Tensor, batch: int, total_q: int, device: torch.device, name: str = "cu_seqlens_q"
+) -> None:
+    """``cu_seqlens_q`` (called ``name`` in errors) must be a contiguous int32 ``(batch + 1,)`` tensor
+    on ``device`` (metadata only)."""
     if not isinstance(cu_seqlens_q, Tensor):
-        raise TypeError(f"cu_seqlens_q must be an int32 tensor, got {type(cu_seqlens_q).__name__}")
+        raise TypeError(f"{name} must be an int32 tensor, got {type(cu_seqlens_q).__name__}")
     if cu_seqlens_q.dtype != torch.int32:
-        raise TypeError(f"cu_seqlens_q must be int32, got {cu_seqlens_q.dtype}")
+        raise TypeError(f"{name} must be int32, got {cu_seqlens_q.dtype}")
     if tuple(cu_seqlens_q.shape) != (batch + 1,) or cu_seqlens_q.stride(0) != 1:
         raise ValueError(
-            f"cu_seqlens_q must be a contiguous ({batch + 1},) tensor, got {tuple(cu_seqlens_q.shape)}"
+            f"{name} must be a contiguous ({batch + 1},) tensor, got {tuple(cu_seqlens_q.shape)}"
         )
     if cu_seqlens_q.device != device:
-        raise ValueError(f"cu_seqlens_q is on {cu_seqlens_q.device}, expected {device}")
+        raise ValueError(f"{name} is on {cu_seqlens_q.device}, expected {device}")
 
 
 def _check_cu_values(cu_seqlens_q: Tensor, total_q: int, max_seqlen_q: int) -> Tensor:
