@@ -470,9 +470,8 @@ def _paged_varlen(
     seqlens_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     compiling = torch.compiler.is_compiling()
-    if (
-        not compiling and block_table.shape[0] and int(cu_seqlens_k[0]) != 0
-    ):  # the kernel reads the lengths only
+    # Only the differences reach the kernel; a prefix sum not starting at 0 is a caller's mistake.
+    if not compiling and block_table.shape[0] and int(cu_seqlens_k[0]) != 0:
         raise ValueError(f"cu_seqlens_k must start at 0, got {int(cu_seqlens_k[0])}")
     scale = _scale(q, softmax_scale)
     wl, wr = int(window_size[0]), int(window_size[1])
