@@ -137,7 +137,7 @@ def test_varlen_func_forward_backward_and_probs() -> None:
     do = torch.randn_like(out)
     for a, r in zip(_grads(out, do, q, k, v), _grads(ref, do, q, k, v)):
         close(a, r)
-    with pytest.raises(ValueError, match="block_table .* has no backward"):  # paged varlen: forward only
+    with pytest.raises(ValueError, match=r"block_table .* has no backward"):  # paged varlen: forward only
         flash_attn_varlen_func(q, k, v, cq, ck, 17, 17, block_table=torch.zeros(4, 1, dtype=torch.int32))
 
 

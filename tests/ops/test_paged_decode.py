@@ -418,6 +418,25 @@ def test_num_splits_planner_rule() -> None:
     assert choose_num_splits(1, 1, 10**7, 132, max_splits=128) == 128
 
 
+def test_resolve_launch_is_remembered_and_still_refuses() -> None:
+    """resolve_launch answers from its memo what the planner answers, and a bad split count raises
+    on every call (nothing is remembered for it)."""
+    from flashpage.ops import paged_decode as pd
+
+    cpu = torch.device("cpu")
+    for cfg, splits, batch, sq, h, hk, n in [
+        (PagedAttnConfig(), 0, 1, 1, 32, 8, 131072),
+        (PagedAttnConfig(), 0, 32, 1, 32, 32, 32768),
+        (PagedAttnConfig(block_m=128), 3, 4, 200, 16, 4, 4096),
+    ]:
+        args = (cfg, splits, batch, sq, h, hk, torch.bfloat16, n, cpu)
+        want = pd._resolve_launch(*args)
+        assert pd.resolve_launch(*args) == want and pd.resolve_launch(*args) == want
+    for _ in range(2):
+        with pytest.raises(ValueError, match="num_splits"):
+            pd.resolve_launch(PagedAttnConfig(), 999, 1, 1, 32, 8, torch.bfloat16, 4096, cpu)
+
+
 def test_decode_errors() -> None:
     lens, d = [20, 40], 32
     kc, vc, bt, sl = make_paged_cache(lens, 16, 2, d)

@@ -184,7 +184,8 @@ def flash_attn_with_kvcache(
             if need > rotary_cos.shape[0]:
                 raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions, {need} are needed")
 
-    start = cache_seqlens.long()
+    # Positions of the new tokens (only when there are some: the cast is a kernel launch on a GPU).
+    start = cache_seqlens.long() if k is not None else cache_seqlens
     if rotary_cos is not None:
         assert rotary_sin is not None and k is not None
         ro_max = rotary_cos.shape[0] - 1

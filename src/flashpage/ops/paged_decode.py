@@ -45,7 +45,7 @@ from flashpage.ops.backend import interpreter_enabled
 from flashpage.ops.cache_write import is_fp8_dtype, validate_scale
 from flashpage.ops.flash_configs import pdl_supported, tma_supported
 from flashpage.ops.flash_fwd import make_row_descriptor, tma_row_view_ok
-from flashpage.ops.launch_cache import LaunchCache, aligned, cdiv, int_spec, next_pow2
+from flashpage.ops.launch_cache import LaunchCache, Memo, aligned, cdiv, int_spec, next_pow2
 
 # The roofline planner's split-KV and heads-per-program rules.
 from flashpage.roofline.planner import choose_heads_per_program, choose_num_splits, pow2_divisor_at_most
@@ -757,6 +757,7 @@ def _combine_kernel(
 # bounds, split count, query length, LSE / block-table / workspace strides; the combine's four tensors,
 # split count, workspace and LSE strides.
 _PAGED_LAUNCHES = LaunchCache(_paged_attn_kernel)
+_RESOLVED_LAUNCHES = Memo(512)  # resolve_launch's answers
 _COMBINE_LAUNCHES = LaunchCache(_combine_kernel)
 _PAGED_SLOTS = (*range(23), 33, 34, 35, 37, 38, 39, 40, 41)
 _COMBINE_SLOTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13)
@@ -1268,7 +1269,30 @@ def resolve_launch(
 
     Args:
         seqlen_k: host-side bound on the keys per sequence (no device sync).
+
+    A pure function of its arguments, remembered per argument tuple: a decode loop calls it per
+    layer and step, and the planner's answer costs ~30 us of Python on a slow host.
     """
+    key = (config, num_splits, batch, max_seqlen_q, nheads, nheads_k, kv_dtype, seqlen_k, device)
+    return _RESOLVED_LAUNCHES.get(  # type: ignore[no-any-return]
+        key,
+        lambda: _resolve_launch(
+            config, num_splits, batch, max_seqlen_q, nheads, nheads_k, kv_dtype, seqlen_k, device
+        ),
+    )
+
+
+def _resolve_launch(
+    config: PagedAttnConfig,
+    num_splits: int,
+    batch: int,
+    max_seqlen_q: int,
+    nheads: int,
+    nheads_k: int,
+    kv_dtype: torch.dtype,
+    seqlen_k: int,
+    device: torch.device,
+) -> tuple[PagedAttnConfig, PagedTiles, int]:
     if config.heads_per_program == 0:
         most = kv_heads_per_program(config, max_seqlen_q, nheads // nheads_k, nheads_k, kv_dtype)
         heads = most
