@@ -244,3 +244,24 @@ def test_paged_varlen_traces_whole_under_torch_compile(monkeypatch: pytest.Monke
     got = torch.compile(attend, fullgraph=True, backend=backend)(q, kc, vc)
     assert "flashpage.paged_varlen_attention.default" in targets, targets
     assert torch.equal(got, attend(q, kc, vc))
+
+
+def test_paged_varlen_decode_batch_uses_decode_tiles() -> None:
+    """A decode batch through the varlen API (one query per sequence) runs the decode tiles and
+    returns what flash_attn_with_kvcache returns for the same cache."""
+    from flashpage.ops.flash_attn import flash_attn_varlen_func
+    from flashpage.ops.kvcache import flash_attn_with_kvcache
+    from flashpage.ops.paged_decode import default_decode_config
+    from flashpage.ops.paged_prefill import DECODE_ROWS, default_prefill_config, kv_attention_config
+
+    q, kc, vc, bt, sl, cu = _setup([1, 1, 1], [0, 17, 48], 16, 8, 2)
+    assert kv_attention_config(q, kc, 1) == default_decode_config(kc.dtype, 32, paged=True)
+    rows_max = DECODE_ROWS // 4  # GQA group 4
+    assert kv_attention_config(q, kc, rows_max + 1) == default_prefill_config(32, q.device, kc.dtype, 16)
+    cu_k = torch.cat((sl.new_zeros(1), sl.cumsum(0))).to(torch.int32)
+    out = flash_attn_varlen_func(q, kc, vc, cu, cu_k, 1, int(sl.max()), causal=True, block_table=bt)
+    want = flash_attn_with_kvcache(q.unsqueeze(1), kc, vc, cache_seqlens=sl, block_table=bt, causal=True)
+    torch.testing.assert_close(out, want[:, 0], atol=2e-6, rtol=2e-6)  # type: ignore[index]
+    ref, _ = _varlen_paged_ref(q, kc, vc, bt, cu, sl, causal=True)
+    same, _ = _varlen_paged_ref(q, kc, vc, bt, cu, sl, upcast=False, causal=True)
+    assert_close_to_ref(out, ref, same)

@@ -38,7 +38,7 @@ from flashpage.ops.backend import resolve_backend
 from flashpage.ops.flash_bwd import flash_bwd
 from flashpage.ops.flash_fwd import AttnProblem, attention_probs, check_attention_inputs, flash_fwd
 from flashpage.ops.paged_decode import check_paged_cache, check_paged_values
-from flashpage.ops.paged_prefill import check_cu_seqlens, paged_prefill
+from flashpage.ops.paged_prefill import check_cu_seqlens, kv_attention_config, paged_prefill
 from flashpage.ops.reference import attention_ref, gather_paged_kv, varlen_attention_ref
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_varlen_fwd"]
@@ -524,11 +524,13 @@ def _paged_varlen_impl(
     alibi_slopes: Tensor | None,
     validate: bool,
 ) -> tuple[Tensor, Tensor]:
-    """``(out (total_q, nheads, d), lse (nheads, total_q) float32)`` of the paged prefill kernel."""
+    """``(out (total_q, nheads, d), lse (nheads, total_q) float32)`` of the paged prefill kernel,
+    with the decode tiles where every sequence has few queries (a decode batch through this API)."""
+    config = kv_attention_config(q, k_cache, max_seqlen_q)
     return paged_prefill(  # type: ignore[return-value]
         q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_seqlen_q, softmax_scale=softmax_scale,
         causal=causal, window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
-        num_splits=0, max_seqlen_k=max(max_seqlen_k, 1), return_lse=True, validate=validate,
+        num_splits=0, max_seqlen_k=max(max_seqlen_k, 1), config=config, return_lse=True, validate=validate,
     )  # fmt: skip
 
 

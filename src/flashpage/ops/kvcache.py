@@ -33,16 +33,12 @@ from flashpage.ops.cache_write import reshape_and_cache
 from flashpage.ops.paged_decode import (
     check_paged_cache,
     check_paged_values,
-    default_decode_config,
     launch_paged_attention,
     resolve_launch,
 )
-from flashpage.ops.paged_prefill import default_prefill_config
+from flashpage.ops.paged_prefill import kv_attention_config
 
 __all__ = ["apply_rotary", "flash_attn_with_kvcache"]
-
-# Up to this many (query token x group head) rows per sequence the decode tiles are used.
-_DECODE_ROWS = 64
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
@@ -270,13 +266,10 @@ def _cache_attention(
     nheads_k = k_cache.shape[2]
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
-    if seqlen_q * (nheads // nheads_k) <= _DECODE_ROWS:
-        config = default_decode_config(k_cache.dtype, d, paged=paged)
-    else:
-        config = default_prefill_config(d, q.device, k_cache.dtype, k_cache.shape[1] if paged else None)
     config, _, splits = resolve_launch(
-        config, num_splits, batch, seqlen_q, nheads, nheads_k, k_cache.dtype, capacity, q.device
-    )
+        kv_attention_config(q, k_cache, seqlen_q, paged), num_splits, batch, seqlen_q, nheads, nheads_k,
+        k_cache.dtype, capacity, q.device,
+    )  # fmt: skip
     qp = q.reshape(batch * seqlen_q, nheads, d)
     out = torch.empty((batch * seqlen_q, nheads, d), dtype=q.dtype, device=q.device)
     lse = (

@@ -24,11 +24,18 @@ from flashpage.ops.paged_decode import (
     PagedAttnConfig,
     check_paged_cache,
     check_paged_values,
+    default_decode_config,
     launch_paged_attention,
     resolve_launch,
 )
 
-__all__ = ["check_cu_seqlens", "default_prefill_config", "paged_prefill"]
+__all__ = [
+    "DECODE_ROWS",
+    "check_cu_seqlens",
+    "default_prefill_config",
+    "kv_attention_config",
+    "paged_prefill",
+]
 
 
 def default_prefill_config(
@@ -63,6 +70,20 @@ def default_prefill_config(
     if head_dim > 128:
         return PagedAttnConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
     return PagedAttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+
+
+# Up to this many (query token x GQA head) rows per sequence the decode tiles serve a KV-cache call.
+DECODE_ROWS = 64
+
+
+def kv_attention_config(q: Tensor, k_cache: Tensor, max_seqlen_q: int, paged: bool = True) -> PagedAttnConfig:
+    """The tiles for ``q (..., nheads, d)`` over ``k_cache`` (paged ``(num_blocks, block_size, ...)``
+    or contiguous) when no sequence has more than ``max_seqlen_q`` queries: the decode tiles (sized
+    to the rows) up to :data:`DECODE_ROWS` rows per sequence, else :func:`default_prefill_config`."""
+    nheads, d = q.shape[-2], q.shape[-1]
+    if max_seqlen_q * (nheads // k_cache.shape[2]) <= DECODE_ROWS:
+        return default_decode_config(k_cache.dtype, d, paged=paged)
+    return default_prefill_config(d, q.device, k_cache.dtype, k_cache.shape[1] if paged else None)
 
 
 def check_cu_seqlens(
