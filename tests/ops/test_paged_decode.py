@@ -419,8 +419,8 @@ def test_num_splits_planner_rule() -> None:
 
 
 def test_resolve_launch_is_remembered_and_still_refuses() -> None:
-    """resolve_launch answers from its memo what the planner answers, and a bad split count raises
-    on every call (nothing is remembered for it)."""
+    """resolve_launch computes an answer once per argument tuple and then returns it from its memo,
+    and a bad split count raises on every call (nothing is remembered for it)."""
     from flashpage.ops import paged_decode as pd
 
     cpu = torch.device("cpu")
@@ -430,8 +430,11 @@ def test_resolve_launch_is_remembered_and_still_refuses() -> None:
         (PagedAttnConfig(block_m=128), 3, 4, 200, 16, 4, 4096),
     ]:
         args = (cfg, splits, batch, sq, h, hk, torch.bfloat16, n, cpu)
-        want = pd._resolve_launch(*args)
-        assert pd.resolve_launch(*args) == want and pd.resolve_launch(*args) == want
+        pd._RESOLVED_LAUNCHES.clear()
+        want = pd.resolve_launch(*args)  # computed
+        assert len(pd._RESOLVED_LAUNCHES) == 1 and pd.resolve_launch(*args) is want  # remembered
+        assert want[2] == pd.resolve_num_splits(splits, batch * want[1].q_tiles, want[1].head_programs, n,
+                                                want[1].tile_tokens, cpu)  # fmt: skip
     for _ in range(2):
         with pytest.raises(ValueError, match="num_splits"):
             pd.resolve_launch(PagedAttnConfig(), 999, 1, 1, 32, 8, torch.bfloat16, 4096, cpu)

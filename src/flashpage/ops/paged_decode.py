@@ -1273,42 +1273,28 @@ def resolve_launch(
     A pure function of its arguments, remembered per argument tuple: a decode loop calls it per
     layer and step, and the planner's answer costs ~30 us of Python on a slow host.
     """
+
+    def plan() -> tuple[PagedAttnConfig, PagedTiles, int]:
+        cfg = config
+        if cfg.heads_per_program == 0:
+            most = kv_heads_per_program(cfg, max_seqlen_q, nheads // nheads_k, nheads_k, kv_dtype)
+            heads = most
+            if num_splits == 0 and most > 1:
+                widest = paged_tiles(
+                    replace(cfg, heads_per_program=most), max_seqlen_q, nheads, nheads_k, kv_dtype
+                )
+                heads = choose_heads_per_program(
+                    max(batch * widest.q_tiles, 1), nheads_k, most, max(seqlen_k, 1), default_num_sms(device)
+                )
+            cfg = replace(cfg, heads_per_program=heads)
+        tiles = paged_tiles(cfg, max_seqlen_q, nheads, nheads_k, kv_dtype)
+        splits = resolve_num_splits(
+            num_splits, batch * tiles.q_tiles, tiles.head_programs, seqlen_k, tiles.tile_tokens, device
+        )
+        return cfg, tiles, splits
+
     key = (config, num_splits, batch, max_seqlen_q, nheads, nheads_k, kv_dtype, seqlen_k, device)
-    return _RESOLVED_LAUNCHES.get(  # type: ignore[no-any-return]
-        key,
-        lambda: _resolve_launch(
-            config, num_splits, batch, max_seqlen_q, nheads, nheads_k, kv_dtype, seqlen_k, device
-        ),
-    )
-
-
-def _resolve_launch(
-    config: PagedAttnConfig,
-    num_splits: int,
-    batch: int,
-    max_seqlen_q: int,
-    nheads: int,
-    nheads_k: int,
-    kv_dtype: torch.dtype,
-    seqlen_k: int,
-    device: torch.device,
-) -> tuple[PagedAttnConfig, PagedTiles, int]:
-    if config.heads_per_program == 0:
-        most = kv_heads_per_program(config, max_seqlen_q, nheads // nheads_k, nheads_k, kv_dtype)
-        heads = most
-        if num_splits == 0 and most > 1:
-            widest = paged_tiles(
-                replace(config, heads_per_program=most), max_seqlen_q, nheads, nheads_k, kv_dtype
-            )
-            heads = choose_heads_per_program(
-                max(batch * widest.q_tiles, 1), nheads_k, most, max(seqlen_k, 1), default_num_sms(device)
-            )
-        config = replace(config, heads_per_program=heads)
-    tiles = paged_tiles(config, max_seqlen_q, nheads, nheads_k, kv_dtype)
-    splits = resolve_num_splits(
-        num_splits, batch * tiles.q_tiles, tiles.head_programs, seqlen_k, tiles.tile_tokens, device
-    )
-    return config, tiles, splits
+    return _RESOLVED_LAUNCHES.get(key, plan)  # type: ignore[no-any-return]
 
 
 def paged_decode(
