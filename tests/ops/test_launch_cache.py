@@ -190,9 +190,11 @@ def test_new_metadata_makes_a_new_plan(replay_cache: _FakeJit | None) -> None:
     out = ff.flash_fwd(qc, k, v, window_size=(3, 2))[0]
     ref = attention_ref(qc, k, v, window_size=(3, 2))[0]
     assert_close_to_ref(out, ref, ref)
-    assert len(ff._FWD_LAUNCHES) == 3
     if replay_cache is not None:
+        assert len(ff._FWD_LAUNCHES) == 3
         assert replay_cache.launches == 3 and replay_cache.replays == 1
+    else:  # CUDA: the tail-split decision also compiles (and keeps) a tail variant per launch key
+        assert len(ff._FWD_LAUNCHES) >= 3
 
 
 _BWD_CACHES = {
