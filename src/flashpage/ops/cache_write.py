@@ -55,8 +55,10 @@ def round_to_e4m3(x):
     y = ax * inv_quantum  # y < 16
     y = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: round-to-nearest-even to an integer
     r = y * quantum
-    # Rounded on |x|, sign restored from the sign bit, so tiny negatives and -0 round to -0.
-    return tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)
+    # Rounded on |x|, then x's sign bit copied onto it, so tiny negatives and -0 round to -0. (Not
+    # ``-r``: Triton lowers unary minus to ``0 - r``, which is +0 for r = 0 on a GPU.)
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
