@@ -78,7 +78,7 @@ def compile_sm90(
     )  # fmt: skip
     pointers = {"Q": f"*{q}", "Out": f"*{q}", "K": _PTR_TYPES[kv], "V": _PTR_TYPES[kv], "desc_k": _PTR_TYPES[kv],
                 "desc_v": _PTR_TYPES[kv]}  # fmt: skip
-    i32_ptrs = {"Arrivals", "BlockTable", "SeqlensK", "CuSeqlensQ", "BatchIdx"}
+    i32_ptrs = {"Arrivals", "BlockTable", "SeqlensK", "CuSeqlensQ", "BatchIdx", "KvStart"}
     fp32_ptrs = {"Lse", "MidO", "MidLse", "Alibi", "KScale", "VScale"}
     names = _paged_attn_kernel.arg_names
     signature: dict[str, str] = {}

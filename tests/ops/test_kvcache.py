@@ -206,7 +206,10 @@ def _compile_case(paged: bool) -> tuple[dict[str, object], Tensor, Tensor]:
     old = [5, 20]
     if paged:
         kc, vc, bt, _ = make_paged_cache([n + sn for n in old], 8, nheads_k, d)
-        extra: dict[str, object] = {"block_table": bt, "cache_seqlens": torch.tensor(old, dtype=torch.int32)}
+        extra: dict[str, object] = {
+            "block_table": bt, "cache_seqlens": torch.tensor(old, dtype=torch.int32),
+            "cache_leftpad": torch.tensor([0, 9], dtype=torch.int32),
+        }  # fmt: skip
     else:
         kc, vc = torch.randn(2, 3, 32, nheads_k, d).unbind(0)
         extra = {"cache_batch_idx": torch.tensor([2, 0], dtype=torch.int32), "cache_seqlens": 20}
@@ -255,8 +258,8 @@ def test_custom_ops_pass_opcheck() -> None:
     slots = (bt.long()[:, :1] * kc.shape[1] + torch.arange(2)).reshape(-1)  # 2 tokens into each first block
     torch.library.opcheck(_cache_append_op, (k.flatten(0, 1), v.flatten(0, 1), kc, vc, slots, None, None))
     seqlens = torch.tensor([7, 22], dtype=torch.int32)
-    for lse in (True, False):
-        attn_args = (q, kc, vc, seqlens, None, bt, 0.2, True, -1, 0, 0.0, None, 0, lse, None, None)
+    for lse, leftpad in ((True, None), (False, torch.tensor([3, 8], dtype=torch.int32))):
+        attn_args = (q, kc, vc, seqlens, None, leftpad, bt, 0.2, True, -1, 0, 0.0, None, 0, lse, None, None)
         torch.library.opcheck(_cache_attention_op, attn_args)
 
 
@@ -295,3 +298,112 @@ def test_inductor_writes_the_cache_in_place() -> None:
     code = "\n".join(codes)
     assert "flashpage.reshape_and_cache.default(" in code and "flashpage.kvcache_attention.default(" in code
     assert not re.search(r"\.copy_\(|clone\(", code), code
+
+
+def _leftpad_ref(
+    q: Tensor, kc: Tensor, vc: Tensor, rows: list[int], starts: list[int], ends: list[int], **kw: object
+) -> tuple[Tensor, Tensor]:
+    """Reference and same-precision outputs over keys ``[start, end)`` of each sequence's cache row:
+    flash-attn's left padding hides the first slots and keeps the bottom-right alignment and ALiBi
+    distances of the remaining keys (a slice of the cache is the same attention)."""
+    outs: list[list[Tensor]] = [[], []]
+    for b, (r, lo, hi) in enumerate(zip(rows, starts, ends, strict=True)):
+        for upcast, dst in ((True, outs[0]), (False, outs[1])):
+            alibi = kw.get("alibi_slopes")
+            kwb = {**kw, "alibi_slopes": alibi[b : b + 1]} if isinstance(alibi, Tensor) else kw
+            o = attention_ref(q[b : b + 1], kc[r : r + 1, lo:hi], vc[r : r + 1, lo:hi], upcast=upcast, **kwb)[
+                0
+            ]  # type: ignore[arg-type]
+            dst.append(o)
+    return torch.cat(outs[0]), torch.cat(outs[1])
+
+
+def test_cache_leftpad_contiguous_append_rotary_window() -> None:
+    """cache_leftpad (flash-attn >= 2.6, keyword-only here) hides each sequence's first slots; new
+    k/v still land at cache_seqlens and rotate at absolute positions, as flash-attn does."""
+    nheads, nheads_k, d, sn, seqlen_q = 4, 2, 32, 2, 2
+    kc = torch.randn(4, 40, nheads_k, d)
+    vc = torch.randn_like(kc)
+    idx = torch.tensor([3, 0, 2], dtype=torch.int32)
+    seqlens = torch.tensor([9, 30, 17], dtype=torch.int32)
+    leftpad = torch.tensor([0, 13, 17], dtype=torch.int32)  # none, mid-cache, every old slot
+    k, v = torch.randn(2, 3, sn, nheads_k, d).unbind(0)
+    q = torch.randn(3, seqlen_q, nheads, d)
+    theta, cos, sin = _rotary_tables(64, 16)
+    k_rot = _rotary_ref(k, theta, seqlens.long()[:, None] + torch.arange(sn), True)
+    exp_k, exp_v = kc.clone(), vc.clone()
+    for b, r in enumerate(idx.tolist()):
+        s0 = int(seqlens[b])
+        exp_k[r, s0 : s0 + sn], exp_v[r, s0 : s0 + sn] = k_rot[b], v[b]
+    for window in ((-1, -1), (6, 0)):
+        kc2, vc2 = kc.clone(), vc.clone()
+        out, lse = flash_attn_with_kvcache(
+            q, kc2, vc2, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens, cache_batch_idx=idx,
+            causal=True, window_size=window, cache_leftpad=leftpad, return_softmax_lse=True,
+        )  # fmt: skip
+        torch.testing.assert_close(kc2, exp_k, atol=1e-6, rtol=1e-6)
+        assert torch.equal(vc2, exp_v)
+        q_rot = _rotary_ref(q, theta, seqlens.long()[:, None] + torch.arange(seqlen_q), True)
+        ref, same = _leftpad_ref(
+            q_rot, exp_k, exp_v, idx.tolist(), leftpad.tolist(), (seqlens + sn).tolist(), causal=True,
+            window_size=window,
+        )  # fmt: skip
+        assert_close_to_ref(out, ref, same)
+        spans = zip(idx.tolist(), leftpad.tolist(), (seqlens + sn).tolist(), strict=True)
+        ref_lse = torch.cat(
+            [
+                attention_ref(
+                    q_rot[b : b + 1],
+                    exp_k[r : r + 1, lo:hi],
+                    exp_v[r : r + 1, lo:hi],
+                    causal=True,
+                    window_size=window,
+                )[1]
+                for b, (r, lo, hi) in enumerate(spans)
+            ]
+        )
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_cache_leftpad_paged_alibi_softcap_splits(num_splits: int) -> None:
+    """Left padding over a paged cache (flash-attn takes it on contiguous caches only): starts inside
+    a page, at a page boundary and at the sequence end (no visible key: zeros), with ALiBi and
+    softcap, over one and several splits."""
+    nheads, nheads_k, d, bs = 8, 2, 32, 8
+    lens = [21, 40, 16, 5]
+    kc, vc, bt, sl = make_paged_cache(lens, bs, nheads_k, d)
+    leftpad = torch.tensor([3, 16, 0, 5], dtype=torch.int32)
+    alibi = torch.rand(4, nheads)
+    for b, lo in enumerate(leftpad.tolist()):  # padding may be never-written memory: never read
+        for p in range(lo):
+            kc[bt[b, p // bs], p % bs] = float("nan")
+            vc[bt[b, p // bs], p % bs] = float("nan")
+    # the block table's logical caches as contiguous rows, for the reference
+    rows = torch.stack([kc[bt[b].long()].flatten(0, 1) for b in range(4)])
+    vrows = torch.stack([vc[bt[b].long()].flatten(0, 1) for b in range(4)])
+    for seqlen_q in (1, 2):
+        q = torch.randn(4, seqlen_q, nheads, d)
+        kw = {"causal": True, "alibi_slopes": alibi, "softcap": 4.0}
+        out = flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=sl, block_table=bt, cache_leftpad=leftpad, num_splits=num_splits, **kw
+        )  # type: ignore[arg-type]
+        ref, same = _leftpad_ref(q, rows, vrows, [0, 1, 2, 3], leftpad.tolist(), lens, **kw)
+        assert torch.equal(out[3], torch.zeros_like(out[3]))  # leftpad == cache_seqlens: nothing visible
+        assert_close_to_ref(out[:3], ref[:3], same[:3])
+
+
+def test_cache_leftpad_errors() -> None:
+    kc = torch.randn(2, 16, 1, 32)
+    q = torch.randn(2, 1, 4, 32)
+    sl = torch.tensor([3, 9], dtype=torch.int32)
+    with pytest.raises(TypeError, match="cache_leftpad must be an int32 tensor"):
+        flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=sl, cache_leftpad=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"cache_leftpad must be \(2,\)"):
+        flash_attn_with_kvcache(
+            q, kc, kc.clone(), cache_seqlens=sl, cache_leftpad=torch.zeros(3, dtype=torch.int32)
+        )
+    with pytest.raises(ValueError, match="sequence 0 has cache_leftpad=4, cache_seqlens=3"):
+        flash_attn_with_kvcache(
+            q, kc, kc.clone(), cache_seqlens=sl, cache_leftpad=torch.tensor([4, 0], dtype=torch.int32)
+        )

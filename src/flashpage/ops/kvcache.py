@@ -14,9 +14,11 @@ paged caches of any power-of-two block size from 8 to 256:
 * ``num_splits=0`` lets the roofline planner choose the split-KV count (from the cache capacity, so
   no device sync); ``return_softmax_lse`` adds ``lse (batch, nheads, seqlen_q)``.
 
-Extensions (keyword-only): an fp8 e4m3 cache is read with unit scales, or ``k_scale/v_scale
-(nheads_k,)`` when given (new k/v are quantised with them); ``validate=False`` skips the host-side
-value checks (block ids, lengths), which need a device sync.
+Extensions (keyword-only): ``cache_leftpad (batch,)`` int32, flash-attn >= 2.6's first valid cache
+slot of each sequence (keys before it are hidden; positions, for the masks, ALiBi and rotary, stay
+cache slots), for paged caches too, where flash-attn takes it only with contiguous ones; an fp8 e4m3 cache is read with unit scales,
+or ``k_scale/v_scale (nheads_k,)`` when given (new k/v are quantised with them); ``validate=False``
+skips the host-side value checks (block ids, lengths), which need a device sync.
 
 Under ``torch.compile`` the call traces whole (``fullgraph=True``): the cache write and the attention
 run as the custom ops ``flashpage::reshape_and_cache`` (mutates ``k_cache``/``v_cache``) and
@@ -82,6 +84,7 @@ def flash_attn_with_kvcache(
     num_splits: int = 0,
     return_softmax_lse: bool = False,
     *,
+    cache_leftpad: Tensor | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     validate: bool = True,
@@ -100,6 +103,10 @@ def flash_attn_with_kvcache(
         window_size: ``(left, right)``, ``-1`` unbounded; causal is ``right = 0``.
         alibi_slopes: ``(nheads,)`` or ``(batch, nheads)`` float32.
         num_splits: split-KV count, ``0`` = roofline planner.
+        cache_leftpad: optional ``(batch,)`` int32, keyword-only: sequence ``b``'s keys are cache
+            slots ``[cache_leftpad[b], cache_seqlens[b] + seqlen_new)`` (left padding skipped); the
+            causal/window alignment, ALiBi distances and rotary positions are unchanged (they count
+            cache slots), as in flash-attn.
     Returns:
         ``out (batch, seqlen_q, nheads, d)``; with ``return_softmax_lse`` also
         ``softmax_lse (batch, nheads, seqlen_q)`` float32 (natural log).
@@ -130,6 +137,14 @@ def flash_attn_with_kvcache(
             )
     elif not paged and k_cache.shape[0] < batch:
         raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, fewer than q's batch {batch}")
+    if cache_leftpad is not None:
+        if not isinstance(cache_leftpad, Tensor) or cache_leftpad.dtype != torch.int32:
+            raise TypeError("cache_leftpad must be an int32 tensor")
+        if tuple(cache_leftpad.shape) != (batch,) or cache_leftpad.device != q.device:
+            raise ValueError(
+                f"cache_leftpad must be ({batch},) on q's device, got {tuple(cache_leftpad.shape)} "
+                f"on {cache_leftpad.device}"
+            )
     check_paged_cache(
         q, k_cache, v_cache, block_table, cache_seqlens, batch=batch, alibi_slopes=alibi_slopes,
         k_scale=k_scale, v_scale=v_scale,
@@ -175,6 +190,14 @@ def flash_attn_with_kvcache(
             lo, hi = int(cache_batch_idx.min()), int(cache_batch_idx.max())
             if lo < 0 or hi >= k_cache.shape[0]:
                 raise ValueError(f"cache_batch_idx values must be in [0, {k_cache.shape[0]}), got {lo}..{hi}")
+        if cache_leftpad is not None and batch:
+            bad = (cache_leftpad < 0) | (cache_leftpad > cache_seqlens)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                raise ValueError(
+                    f"cache_leftpad must be in [0, cache_seqlens]: sequence {i} has cache_leftpad="
+                    f"{int(cache_leftpad[i])}, cache_seqlens={int(cache_seqlens[i])}"
+                )
         if rotary_cos is not None and batch:
             need = int(cache_seqlens.max()) + max(seqlen_new, seqlen_q)
             if need > rotary_cos.shape[0]:
@@ -216,7 +239,7 @@ def flash_attn_with_kvcache(
     seqlens_k = (cache_seqlens + seqlen_new).to(torch.int32) if seqlen_new else cache_seqlens
     attend = _cache_attention_op if compiling else _cache_attention
     out, lse = attend(
-        q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
+        q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
         float(softmax_scale) if softmax_scale is not None else d**-0.5, bool(causal), int(window_size[0]),
         int(window_size[1]), float(softcap), alibi_slopes, int(num_splits), bool(return_softmax_lse), k_scale, v_scale,
     )  # fmt: skip
@@ -247,6 +270,7 @@ def _cache_attention(
     v_cache: Tensor,
     seqlens_k: Tensor,
     cache_batch_idx: Tensor | None,
+    cache_leftpad: Tensor | None,
     block_table: Tensor | None,
     softmax_scale: float,
     causal: bool,
@@ -280,7 +304,7 @@ def _cache_attention(
     if out.numel():
         launch_paged_attention(
             qp, k_cache, v_cache, out, seqlens_k, max_seqlen_q=seqlen_q, block_table=block_table,
-            cache_batch_idx=cache_batch_idx, lse=lse.view(batch * seqlen_q, nheads).t() if lse is not None else None,
+            cache_batch_idx=cache_batch_idx, kv_start=cache_leftpad, lse=lse.view(batch * seqlen_q, nheads).t() if lse is not None else None,
             softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right), softcap=softcap,
             alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale, num_splits=splits, config=config,
         )  # fmt: skip
@@ -305,6 +329,7 @@ def _cache_attention_fake(
     v_cache: Tensor,
     seqlens_k: Tensor,
     cache_batch_idx: Tensor | None,
+    cache_leftpad: Tensor | None,
     block_table: Tensor | None,
     softmax_scale: float,
     causal: bool,

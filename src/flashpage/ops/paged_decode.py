@@ -300,6 +300,7 @@ def _attn_kv_loop(
     start,
     end,
     ctx,
+    kv_lo,
     pos,
     slopes,
     qk_scale,
@@ -323,6 +324,7 @@ def _attn_kv_loop(
     MASK: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    HAS_KV_START: tl.constexpr,
     CONVERT_KV: tl.constexpr,
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -337,7 +339,8 @@ def _attn_kv_loop(
     (``n // HPP``) of head ``n % HPP`` (offsets ``col_k`` / ``col_v``), so with ``HPP > 1`` each
     token's heads are one contiguous run and ``same_head`` masks the pairs of a row and a column of
     different heads. ``K``/``V`` already point at this program's first KV head. ``MASK`` tiles apply
-    the sequence end, the causal/window bounds per row; mask-free tiles are fully visible to every
+    the sequence end, the sequence's first key ``kv_lo`` (``HAS_KV_START``) and the causal/window
+    bounds per row; mask-free tiles are fully visible to every
     row by construction.
     """
     # A tile of BLOCK_N columns within one page takes one scalar block id; otherwise one per column.
@@ -376,6 +379,9 @@ def _attn_kv_loop(
             k_off += col_k
             v_off += col_v
         n_ok = j < ctx
+        if HAS_KV_START:
+            # Left padding may be slots never written (NaN garbage): not read, as past the end.
+            n_ok = n_ok & (j >= kv_lo)
         # TMA: only mask-free tiles inside one page (a masked tile's rows past the sequence end may
         # hold never-written slots, which a masked pointer load reads as 0 and TMA would not).
         TMA_TILE: tl.constexpr = USE_TMA and HPP == 1 and PAGE_SIZE >= BLOCK_N and not MASK
@@ -410,6 +416,8 @@ def _attn_kv_loop(
             )
             if HPP > 1:
                 vis = vis & same_head
+            if HAS_KV_START:
+                vis = vis & (j[None, :] >= kv_lo)
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -450,6 +458,7 @@ def _paged_attn_kernel(
     SeqlensK,
     CuSeqlensQ,
     BatchIdx,
+    KvStart,
     Alibi,
     KScale,
     VScale,
@@ -487,6 +496,7 @@ def _paged_attn_kernel(
     PAGE_SIZE: tl.constexpr,
     VARLEN_Q: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr,
+    HAS_KV_START: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -574,18 +584,22 @@ def _paged_attn_kernel(
     if HAS_ALIBI:
         slopes = tl.load(Alibi + b * stride_ab + head, mask=row_ok, other=0.0) * 1.4426950408889634
 
-    # Visible key range of the tile's valid rows, split into num_splits chunks of whole tiles.
+    # Visible key range of the tile's valid rows, split into num_splits chunks of whole tiles. Keys
+    # before KvStart[b] (flash-attn's cache_leftpad) are hidden like keys left of the window.
+    kv_lo = 0
+    if HAS_KV_START:
+        kv_lo = tl.load(KvStart + b)
     q_last = tl.minimum(q0 + QPT, q_len) - 1
     p_first = ctx - q_len + q0
     p_last = ctx - q_len + q_last
-    lo = (tl.maximum(p_first - window_left, 0) // TOKN) * TOKN
+    lo = (tl.maximum(p_first - window_left, kv_lo) // TOKN) * TOKN
     hi = tl.minimum(p_last + window_right + 1, ctx)
     n_tiles = tl.cdiv(tl.maximum(hi - lo, 0), TOKN)
     per_split = tl.cdiv(n_tiles, num_splits)
     s_lo = lo + split * per_split * TOKN
     s_hi = tl.minimum(s_lo + per_split * TOKN, hi)
     # Tiles in [full_lo, full_hi) are visible to every row: no mask.
-    full_lo = tl.cdiv(tl.maximum(p_last - window_left, 0), TOKN) * TOKN
+    full_lo = tl.cdiv(tl.maximum(p_last - window_left, kv_lo), TOKN) * TOKN
     full_hi = (tl.maximum(tl.minimum(p_first + window_right + 1, ctx), 0) // TOKN) * TOKN
     a_end = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
     b_end = tl.minimum(tl.maximum(full_hi, a_end), s_hi)
@@ -607,21 +621,21 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _attn_kv_loop(
-        acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, s_lo, a_end, ctx, pos, slopes, qk_scale, softcap_log2,
+        acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, s_lo, a_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
-        stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
+        stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
         WIDE_OFFSETS,
     )  # fmt: skip
     acc, l_i, m_i = _attn_kv_loop(
-        acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, a_end, b_end, ctx, pos, slopes, qk_scale, softcap_log2,
+        acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, a_end, b_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
-        stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, False, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
+        stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, False, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
         WIDE_OFFSETS,
     )  # fmt: skip
     acc, l_i, m_i = _attn_kv_loop(
-        acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, b_end, s_hi, ctx, pos, slopes, qk_scale, softcap_log2,
+        acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, b_end, s_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
-        stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
+        stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
         WIDE_OFFSETS,
     )  # fmt: skip
 
@@ -753,13 +767,13 @@ def _combine_kernel(
 
 
 # Compiled launches by launch key (flashpage.ops.launch_cache) and the positions of the per-call
-# arguments: the paged kernel's 17 tensor / descriptor arguments, its two float scalars, the window
+# arguments: the paged kernel's 18 tensor / descriptor arguments, its two float scalars, the window
 # bounds, split count, query length, LSE / block-table / workspace strides; the combine's four tensors,
 # split count, workspace and LSE strides.
 _PAGED_LAUNCHES = LaunchCache(_paged_attn_kernel)
 _RESOLVED_LAUNCHES = Memo(512)  # resolve_launch's answers
 _COMBINE_LAUNCHES = LaunchCache(_combine_kernel)
-_PAGED_SLOTS = (*range(23), 33, 34, 35, 37, 38, 39, 40, 41)
+_PAGED_SLOTS = (*range(24), 34, 35, 36, 38, 39, 40, 41, 42)
 _COMBINE_SLOTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13)
 
 
@@ -866,6 +880,7 @@ def launch_paged_attention(
     block_table: Tensor | None = None,
     cu_seqlens_q: Tensor | None = None,
     cache_batch_idx: Tensor | None = None,
+    kv_start: Tensor | None = None,
     lse: Tensor | None = None,
     softmax_scale: float,
     causal: bool = True,
@@ -892,6 +907,8 @@ def launch_paged_attention(
             maps batch entries to cache rows).
         out: ``(total_q, nheads, d)``, written.
         seqlens_k: ``(batch,)`` int32 keys per sequence (including the queries' own tokens).
+        kv_start: optional ``(batch,)`` int32 first key of each sequence (flash-attn's
+            ``cache_leftpad``): keys ``[0, kv_start[b])`` are hidden, positions stay absolute.
         lse: optional ``(nheads, total_q)``-indexed float32 output (any strides), natural log.
         alibi_slopes: ``(nheads,)`` or ``(batch, nheads)`` float32.
         k_scale, v_scale: ``(nheads_k,)`` float32 fp8 dequantisation scales (fp8 caches).
@@ -957,6 +974,7 @@ def launch_paged_attention(
         q, k_cache, v_cache, desc_k, desc_v, out, lse_arg, mid_o, mid_lse, arrivals,
         block_table if paged else dummy, seqlens_k, cu_seqlens_q if cu_seqlens_q is not None else dummy,
         cache_batch_idx if cache_batch_idx is not None else dummy,
+        kv_start if kv_start is not None else dummy,
         alibi_slopes if alibi_slopes is not None else q, k_scale if k_scale is not None else q,
         v_scale if v_scale is not None else q,
     )  # fmt: skip
@@ -967,11 +985,12 @@ def launch_paged_attention(
     )
     bt_stride = block_table.stride(0) if paged else 0
     ints = (left, right, num_splits, max_seqlen_q, *lse_strides, bt_stride, *mid_strides)
-    values = (*tensors, float(softmax_scale), float(softcap) if softcap > 0 else 1.0, *ints)
+    scalars = (float(softmax_scale), float(softcap) if softcap > 0 else 1.0)
+    values = (*tensors, *scalars, *ints)
     page_size = k_cache.shape[1] if paged else 0
     key = (
         config, block_m, tiles.heads, q.dtype, k_cache.dtype, out.dtype, q.device.index, head_dim, nheads,
-        nheads_k, page_size, cu_seqlens_q is not None, cache_batch_idx is not None, softcap > 0,
+        nheads_k, page_size, cu_seqlens_q is not None, cache_batch_idx is not None, kv_start is not None, softcap > 0,
         None if alibi_slopes is None else (alibi_slopes.dim(), alibi_slopes.stride(0)), split, write_lse, upcast, fused, use_tma,
         wide, pdl, heads_first,
         q.stride(), k_cache.stride(), v_cache.stride(), out.stride(), aligned(*tensors),
@@ -980,7 +999,7 @@ def launch_paged_attention(
 
     def build() -> tuple[list[Any], dict[str, Any]]:
         args = [
-            *tensors, values[17], values[18], left, right, num_splits, max_seqlen_q,
+            *tensors, *scalars, left, right, num_splits, max_seqlen_q,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
             *lse_strides, bt_stride,
@@ -990,7 +1009,7 @@ def launch_paged_attention(
         kwargs = paged_kernel_constexprs(
             config, tiles, group=group, head_dim=head_dim, page_size=page_size, fp8=fp8, split=split,
             fp32_dot=q.dtype == torch.float32 or upcast, upcast=upcast, varlen_q=cu_seqlens_q is not None,
-            batch_idx=cache_batch_idx is not None, softcap=softcap > 0, alibi=alibi_slopes is not None,
+            batch_idx=cache_batch_idx is not None, kv_start=kv_start is not None, softcap=softcap > 0, alibi=alibi_slopes is not None,
             write_lse=write_lse, fused=fused, use_tma=use_tma, wide=wide, heads_first=heads_first, pdl=pdl,
         )  # fmt: skip
         kwargs.update(num_warps=config.num_warps, num_stages=config.num_stages)
@@ -1038,6 +1057,7 @@ def paged_kernel_constexprs(
     upcast: bool = False,
     varlen_q: bool = False,
     batch_idx: bool = False,
+    kv_start: bool = False,
     softcap: bool = False,
     alibi: bool = False,
     write_lse: bool = False,
@@ -1057,7 +1077,7 @@ def paged_kernel_constexprs(
     return {
         "G": group, "HPP": tiles.heads, "HEAD_DIM": head_dim, "BLOCK_D": max(16, next_pow2(head_dim)),
         "BLOCK_M": tiles.block_m, "BLOCK_N": config.block_n, "PAGE_SIZE": page_size, "VARLEN_Q": varlen_q,
-        "HAS_BATCH_IDX": batch_idx, "SOFTCAP": softcap, "HAS_ALIBI": alibi, "KV_FP8": fp8, "SPLIT": split,
+        "HAS_BATCH_IDX": batch_idx, "HAS_KV_START": kv_start, "SOFTCAP": softcap, "HAS_ALIBI": alibi, "KV_FP8": fp8, "SPLIT": split,
         "WRITE_LSE": write_lse, "DOT_PRECISION": "ieee" if fp32_dot else "tf32", "UPCAST": upcast,
         "EARLY_V": config.early_v, "FUSED_COMBINE": fused, "USE_TMA": use_tma,
         "PREFETCH_TABLE": config.prefetch_table, "WIDE_OFFSETS": wide, "HEADS_FIRST": heads_first, "PDL": pdl,
