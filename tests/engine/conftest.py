@@ -64,8 +64,10 @@ def tiny_config(**changes: Any) -> Any:
 def tiny_loaded() -> Any:
     from flashpage.models.loader import load_model
 
+    # On the GPU when there is one (the engine's CUDA path: graphs, pinned copies, Triton kernels).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = load_model(
-        "tiny", dtype=torch.float32, device="cpu", load_format="dummy", config=tiny_config(), seed=1
+        "tiny", dtype=torch.float32, device=device, load_format="dummy", config=tiny_config(), seed=1
     )
     # Larger weights than the default N(0, 0.02) make the greedy continuation depend on the context
     # (with tiny weights it repeats one token), so the parity tests see attention bugs.

@@ -32,23 +32,24 @@ def recompute_greedy(model: Any, prompt: list[int], n_new: int) -> list[int]:
     """Greedy continuation recomputing the whole sequence every token (fresh cache, one sequence)."""
     ids = list(prompt)
     c = model.config
+    dev = next(model.parameters()).device
     for _ in range(n_new):
         t = len(ids)
         nblk = math.ceil(t / 16)
         cache = allocate_kv_cache(
-            KVCacheSpec(c.num_layers, nblk, 16, c.num_kv_heads, c.head_dim, torch.float32)
+            KVCacheSpec(c.num_layers, nblk, 16, c.num_kv_heads, c.head_dim, torch.float32), dev
         )
         meta = AttentionMetadata(
-            slot_mapping=torch.arange(t),
-            block_table=torch.arange(nblk, dtype=torch.int32).view(1, -1),
-            seqlens_k=torch.tensor([t], dtype=torch.int32),
-            cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32),
+            slot_mapping=torch.arange(t, device=dev),
+            block_table=torch.arange(nblk, dtype=torch.int32, device=dev).view(1, -1),
+            seqlens_k=torch.tensor([t], dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=dev),
             max_seqlen_q=t,
             max_seqlen_k=t,
             decode_only=t == 1,
             prefix_free=True,
         )
-        h = model.forward(torch.tensor(ids), torch.arange(t), cache, meta)
+        h = model.forward(torch.tensor(ids, device=dev), torch.arange(t, device=dev), cache, meta)
         ids.append(int(model.compute_logits(h[-1:]).argmax()))
     return ids[len(prompt) :]
 
@@ -205,6 +206,23 @@ def test_request_validation(tiny_loaded: Any) -> None:
         LLM(model=tiny_loaded, gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([[1], [2]], [SamplingParams()], use_tqdm=False)
+
+
+def test_loaded_model_sets_device_and_dtype(tiny_loaded: Any) -> None:
+    """A loaded model brings its device and dtype (an fp32 model on a GPU machine stays fp32 there);
+    a config naming others is an error, not a silent mismatch."""
+    param = next(tiny_loaded.model.parameters())
+    core = LLM(model=tiny_loaded, kv_cache_bytes=8 * BLOCK8).engine
+    assert core.device == param.device and core.dtype == torch.float32 == param.dtype
+    with pytest.raises(
+        ValueError, match=r"dtype: the loaded model holds torch\.float32, the config asks for"
+    ):
+        LLM(model=tiny_loaded, dtype="bfloat16", kv_cache_bytes=8 * BLOCK8)
+    if param.device.type == "cuda":
+        with pytest.raises(
+            ValueError, match=r"device: the loaded model is on cuda:0, the config asks for cpu"
+        ):
+            LLM(model=tiny_loaded, device="cpu", kv_cache_bytes=8 * BLOCK8)
 
 
 def _drain(core: EngineCore) -> list[RequestOutput]:

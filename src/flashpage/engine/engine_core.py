@@ -64,6 +64,25 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def _placement(config: EngineConfig, loaded: Any) -> tuple[torch.device, torch.dtype]:
+    """The engine's device and dtype: the config's, or for an already loaded model where the config
+    leaves them open (``device=None``, ``dtype="auto"``) the model's own; a config that names another
+    device or dtype than the loaded model's is an error (the engine does not move weights)."""
+    params = loaded.model.parameters() if loaded is not None else iter(())
+    param = next((t for t in params if t.is_floating_point()), None)
+    if param is None:
+        device = resolve_device(config.device)
+        return device, resolve_dtype(config.dtype, device)
+    device = resolve_device(param.device if config.device is None else config.device)
+    if (device.type, device.index or 0) != (param.device.type, param.device.index or 0):
+        raise ValueError(f"device: the loaded model is on {param.device}, the config asks for {device}")
+    auto = isinstance(config.dtype, str) and config.dtype.strip().lower() == "auto"
+    dtype = param.dtype if auto else resolve_dtype(config.dtype, device)
+    if dtype != param.dtype:
+        raise ValueError(f"dtype: the loaded model holds {param.dtype}, the config asks for {dtype}")
+    return device, dtype
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """``"auto"`` -> bfloat16 on GPU, float32 on CPU; names like ``"bf16"`` or a torch dtype."""
     if isinstance(dtype, torch.dtype):
@@ -93,7 +112,8 @@ class EngineConfig:
 
     Attributes:
         model: built-in name, HF directory or ``.gguf`` file (see ``flashpage.models.loader``).
-        dtype: ``"auto"`` (bf16 on GPU, fp32 on CPU), a dtype name or a torch dtype.
+        dtype: ``"auto"`` (an already loaded model's dtype, else bf16 on GPU, fp32 on CPU), a dtype
+            name or a torch dtype.
         block_size: tokens per KV block (power of two, 8..256).
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: token budget per step (``None``: 8192 on GPU, 2048 on CPU).
@@ -102,7 +122,7 @@ class EngineConfig:
         kv_cache_bytes: KV cache size in bytes (overrides ``gpu_memory_utilization``).
         seed: seed of the sampler's shared generator (rows without a per-request seed) and of dummy
             weights.
-        device: ``None`` = cuda if available, else cpu.
+        device: ``None`` = an already loaded model's device, else cuda if available, else cpu.
         load_format: ``auto`` | ``safetensors`` | ``gguf`` | ``dummy``.
         enforce_eager: no CUDA graphs.
         max_model_len: longest sequence (prompt + output); default the model's context, capped to
@@ -165,10 +185,9 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, loaded: Any = None) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         if loaded is None and not isinstance(config.model, str):
             loaded = config.model  # an object from load_model()
+        self.device, self.dtype = _placement(config, loaded)
         if loaded is None:
             from flashpage.models.loader import load_model
 

@@ -41,7 +41,8 @@ class LLM:
         model: built-in name (default the embedded ``smollm2-135m-instruct``), HF directory, ``.gguf``
             file, a built-in config name with ``load_format="dummy"``, or an object returned by
             ``flashpage.models.loader.load_model``.
-        dtype: ``"auto"`` (bf16 on GPU, fp32 on CPU), ``"bfloat16"``, ``"float16"``, ``"float32"``.
+        dtype: ``"auto"`` (a loaded model's own, else bf16 on GPU, fp32 on CPU), ``"bfloat16"``,
+            ``"float16"``, ``"float32"``.
         block_size: tokens per KV block.
         max_num_seqs: most sequences per step.
         max_num_batched_tokens: token budget per step (chunked prefill); default 8192 GPU / 2048 CPU.
@@ -49,7 +50,7 @@ class LLM:
         gpu_memory_utilization: fraction of GPU memory to use.
         kv_cache_bytes: explicit KV cache size (bytes).
         seed: seed of sampling without per-request seeds (and of dummy weights).
-        device: ``None`` = cuda if available, else cpu.
+        device: ``None`` = a loaded model's own, else cuda if available, else cpu.
         load_format: ``auto`` | ``safetensors`` | ``gguf`` | ``dummy``.
         enforce_eager: disable CUDA graphs.
         max_model_len: longest sequence (prompt + output).
