@@ -111,7 +111,8 @@ def test_bench_table_rebuilds_readme_from_json(tmp_path: Path, capsys: pytest.Ca
     rows = [{"bench": "toy", "impl": "flashpage", "ms": 1.5, "extra": 7}]
     path = write_results("toy", rows, env, table_columns=["impl", "ms"], out_dir=tmp_path, note="a note")
     readme = tmp_path / "README.md"
-    readme.write_text("# B\n\n<!-- bench:toy-cpu -->\nold\n<!-- /bench:toy-cpu -->\nkept\n")
+    name = path.stem  # toy-<this machine's gpu slug>
+    readme.write_text(f"# B\n\n<!-- bench:{name} -->\nold\n<!-- /bench:{name} -->\nkept\n")
     refresh_readme_table(path, readme)
     text = readme.read_text()
     assert "old" not in text and "kept" in text and "a note" in text
