@@ -16,9 +16,10 @@ paged caches of any power-of-two block size from 8 to 256:
 
 Extensions (keyword-only): ``cache_leftpad (batch,)`` int32, flash-attn >= 2.6's first valid cache
 slot of each sequence (keys before it are hidden; positions, for the masks, ALiBi and rotary, stay
-cache slots), for paged caches too, where flash-attn takes it only with contiguous ones; an fp8 e4m3 cache is read with unit scales,
-or ``k_scale/v_scale (nheads_k,)`` when given (new k/v are quantised with them); ``validate=False``
-skips the host-side value checks (block ids, lengths), which need a device sync.
+cache slots), on paged caches too, where flash-attn takes it only with contiguous ones; an fp8 e4m3
+cache is read with unit scales, or ``k_scale/v_scale (nheads_k,)`` when given (new k/v are quantised
+with them); ``validate=False`` skips the host-side value checks (block ids, lengths), which need a
+device sync.
 
 Under ``torch.compile`` the call traces whole (``fullgraph=True``): the cache write and the attention
 run as the custom ops ``flashpage::reshape_and_cache`` (mutates ``k_cache``/``v_cache``) and

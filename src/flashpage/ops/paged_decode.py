@@ -340,8 +340,7 @@ def _attn_kv_loop(
     token's heads are one contiguous run and ``same_head`` masks the pairs of a row and a column of
     different heads. ``K``/``V`` already point at this program's first KV head. ``MASK`` tiles apply
     the sequence end, the sequence's first key ``kv_lo`` (``HAS_KV_START``) and the causal/window
-    bounds per row; mask-free tiles are fully visible to every
-    row by construction.
+    bounds per row; mask-free tiles are fully visible to every row by construction.
     """
     # A tile of BLOCK_N columns within one page takes one scalar block id; otherwise one per column.
     # (Not "within TOKN tokens": with 4 heads per program and 16-token tiles of 16-token pages the
