@@ -65,6 +65,14 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interle
     return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
 
 
+def _check_per_sequence(name: str, x: object, batch: int, device: torch.device) -> None:
+    """``x`` must be a ``(batch,)`` int32 tensor on ``device``."""
+    if not isinstance(x, Tensor) or x.dtype != torch.int32:
+        raise TypeError(f"{name} must be an int32 tensor")
+    if tuple(x.shape) != (batch,) or x.device != device:
+        raise ValueError(f"{name} must be ({batch},) on q's device, got {tuple(x.shape)} on {x.device}")
+
+
 def flash_attn_with_kvcache(
     q: Tensor,
     k_cache: Tensor,
@@ -130,22 +138,11 @@ def flash_attn_with_kvcache(
     if paged and cache_batch_idx is not None:
         raise ValueError("cache_batch_idx is not supported with a paged cache (block_table)")
     if cache_batch_idx is not None:
-        if not isinstance(cache_batch_idx, Tensor) or cache_batch_idx.dtype != torch.int32:
-            raise TypeError("cache_batch_idx must be an int32 tensor")
-        if tuple(cache_batch_idx.shape) != (batch,) or cache_batch_idx.device != q.device:
-            raise ValueError(
-                f"cache_batch_idx must be ({batch},) on q's device, got {tuple(cache_batch_idx.shape)}"
-            )
+        _check_per_sequence("cache_batch_idx", cache_batch_idx, batch, q.device)
     elif not paged and k_cache.shape[0] < batch:
         raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, fewer than q's batch {batch}")
     if cache_leftpad is not None:
-        if not isinstance(cache_leftpad, Tensor) or cache_leftpad.dtype != torch.int32:
-            raise TypeError("cache_leftpad must be an int32 tensor")
-        if tuple(cache_leftpad.shape) != (batch,) or cache_leftpad.device != q.device:
-            raise ValueError(
-                f"cache_leftpad must be ({batch},) on q's device, got {tuple(cache_leftpad.shape)} "
-                f"on {cache_leftpad.device}"
-            )
+        _check_per_sequence("cache_leftpad", cache_leftpad, batch, q.device)
     check_paged_cache(
         q, k_cache, v_cache, block_table, cache_seqlens, batch=batch, alibi_slopes=alibi_slopes,
         k_scale=k_scale, v_scale=v_scale,
