@@ -311,9 +311,9 @@ def _leftpad_ref(
         for upcast, dst in ((True, outs[0]), (False, outs[1])):
             alibi = kw.get("alibi_slopes")
             kwb = {**kw, "alibi_slopes": alibi[b : b + 1]} if isinstance(alibi, Tensor) else kw
-            o = attention_ref(q[b : b + 1], kc[r : r + 1, lo:hi], vc[r : r + 1, lo:hi], upcast=upcast, **kwb)[
-                0
-            ]  # type: ignore[arg-type]
+            o, _ = attention_ref(
+                q[b : b + 1], kc[r : r + 1, lo:hi], vc[r : r + 1, lo:hi], upcast=upcast, **kwb
+            )  # type: ignore[arg-type]
             dst.append(o)
     return torch.cat(outs[0]), torch.cat(outs[1])
 
