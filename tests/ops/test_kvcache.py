@@ -403,6 +403,13 @@ def test_cache_leftpad_errors() -> None:
         flash_attn_with_kvcache(
             q, kc, kc.clone(), cache_seqlens=sl, cache_leftpad=torch.zeros(3, dtype=torch.int32)
         )
+    # The kernel reads element b at offset b: a strided view would be read wrong, so it is refused
+    # (cache_batch_idx likewise; a strided one used to pick the wrong cache rows silently).
+    strided = torch.zeros(4, dtype=torch.int32)[::2]
+    with pytest.raises(ValueError, match="cache_leftpad must be contiguous, got stride 2"):
+        flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=sl, cache_leftpad=strided)
+    with pytest.raises(ValueError, match="cache_batch_idx must be contiguous, got stride 2"):
+        flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=sl, cache_batch_idx=strided)
     with pytest.raises(ValueError, match="sequence 0 has cache_leftpad=4, cache_seqlens=3"):
         flash_attn_with_kvcache(
             q, kc, kc.clone(), cache_seqlens=sl, cache_leftpad=torch.tensor([4, 0], dtype=torch.int32)

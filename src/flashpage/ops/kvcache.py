@@ -66,11 +66,14 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interle
 
 
 def _check_per_sequence(name: str, x: object, batch: int, device: torch.device) -> None:
-    """``x`` must be a ``(batch,)`` int32 tensor on ``device``."""
+    """``x`` must be a contiguous ``(batch,)`` int32 tensor on ``device`` (the kernel reads
+    element ``b`` at offset ``b``, as it does ``cache_seqlens``)."""
     if not isinstance(x, Tensor) or x.dtype != torch.int32:
         raise TypeError(f"{name} must be an int32 tensor")
     if tuple(x.shape) != (batch,) or x.device != device:
         raise ValueError(f"{name} must be ({batch},) on q's device, got {tuple(x.shape)} on {x.device}")
+    if batch > 1 and x.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous, got stride {x.stride(0)}")
 
 
 def flash_attn_with_kvcache(
