@@ -14,8 +14,10 @@ counts measured there, 112 (88 with split-KV partials, 120 with 64-bit offsets),
 4-head split kernel. Findings (2026-12-05):
 
 - triton 3.9 gives the 4-head split kernel 111 registers (4 programs per SM instead of 3.6's 5);
-  ``maxnreg=96`` brings it to 5 with 24 bytes of stack spilled outside the mask-free loop. Not
-  timed: the device has triton 3.6.
+  ``maxnreg=96`` brings it to 5 with 24 bytes of stack spilled outside the mask-free loop. Timed on
+  an H100 (2026-12-06, triton 3.9 carried to the device, ``benchmarks/results/triton-3.9/``): the
+  default reads within 0.2% of its triton 3.6 speed on every decode shape, and ``maxnreg`` 96 / 104
+  change nothing but b256/4k (96: 2.4% slower).
 - fp8 (``--kv fp8``, 128-token tiles, early V): 254-255 registers, mask-free loop 840 (3.9) / 859
   (3.6) instructions per thread per tile, 128 of them ``LDS.U8``: Triton widens fp8 in the dot-
   operand layout, so V's transposed operand is read from shared memory byte by byte. Loading the

@@ -205,7 +205,10 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     On sm_90 (d=128) bf16 compiles without spills; with 32-bit KV-row offsets (``narrow_offsets``,
     used where the caches allow) triton 3.6 gives 112 registers (88 with split-KV: 5 programs per
     SM) instead of 120 (114), and the H200 read 0.3-1.4% more KV bandwidth at the planner's split
-    counts (GQA 32/8 and MHA, 4k-128k contexts, interleaved with cuDNN in one run). fp8 (H200,
+    counts (GQA 32/8 and MHA, 4k-128k contexts, interleaved with cuDNN in one run). triton 3.9 gives
+    111 registers with or without splits, yet on one H100 (2026-12-06,
+    ``benchmarks/results/triton-3.9/``) it read within 0.2% of 3.6 on every shape, so no register
+    cap is set (96 made b256/4k 2.4% slower). fp8 (H200,
     triton 3.6, GQA 32/8 and MHA, block size 16; ``flashpage bench decode --variants`` at b81af5d,
     benchmarks/results/decode-h200.json): 128 x 4 warps with the V load issued beside the K load was
     the fastest fp8 configuration on every shape, 1.21-1.32x the bf16 kernel's sequences x tokens/s;
