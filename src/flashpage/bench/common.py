@@ -60,8 +60,29 @@ def git_commit() -> str:
     return f"{head}+dirty" if dirty else head
 
 
+def ptxas_version() -> str | None:
+    """The CUDA release (e.g. ``"13.4"``) of the ``ptxas`` triton compiles kernels for this GPU with;
+    ``None`` without a CUDA GPU or when triton's NVIDIA backend cannot say.
+
+    Kernel speed depends on it as much as on the triton version: triton 3.9 compiles sm_90 with its
+    bundled CUDA 13.4 ``ptxas-blackwell``, and a run with another ptxas read a kernel 15% slower
+    (benchmarks/README.md, "Triton 3.9 on the GPU")."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas_version
+
+        major, minor = torch.cuda.get_device_capability()
+        text = str(get_ptxas_version(major * 10 + minor))
+    except (ImportError, AttributeError, OSError, RuntimeError, subprocess.CalledProcessError):
+        return None
+    found = re.search(r"cuda_(\d+\.\d+)", text) or re.search(r"release (\d+\.\d+)", text)
+    return found[1] if found else (text.strip().splitlines() or [None])[-1]
+
+
 def env_info(peak_tflops: float | None, peak_tbps: float | None) -> dict[str, Any]:
-    """The ``env`` object of a result file. Peaks are the measured (or profile) roofline ceilings."""
+    """The ``env`` object of a result file. Peaks are the measured (or profile) roofline ceilings.
+    Beyond DESIGN.md's fields: ``ptxas`` (:func:`ptxas_version`)."""
     import triton
 
     return {
@@ -73,6 +94,7 @@ def env_info(peak_tflops: float | None, peak_tbps: float | None) -> dict[str, An
         "git_commit": git_commit(),
         "peak_tflops": peak_tflops,
         "peak_tbps": peak_tbps,
+        "ptxas": ptxas_version(),
     }
 
 
