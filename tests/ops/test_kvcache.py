@@ -302,20 +302,24 @@ def test_inductor_writes_the_cache_in_place() -> None:
 
 def _leftpad_ref(
     q: Tensor, kc: Tensor, vc: Tensor, rows: list[int], starts: list[int], ends: list[int], **kw: object
-) -> tuple[Tensor, Tensor]:
-    """Reference and same-precision outputs over keys ``[start, end)`` of each sequence's cache row:
-    flash-attn's left padding hides the first slots and keeps the bottom-right alignment and ALiBi
-    distances of the remaining keys (a slice of the cache is the same attention)."""
-    outs: list[list[Tensor]] = [[], []]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Reference and same-precision outputs, and the reference LSE, over keys ``[start, end)`` of
+    each sequence's cache row: flash-attn's left padding hides the first slots and keeps the
+    bottom-right alignment and ALiBi distances of the remaining keys (a slice of the cache is the
+    same attention)."""
+    outs: list[list[Tensor]] = [[], [], []]
     for b, (r, lo, hi) in enumerate(zip(rows, starts, ends, strict=True)):
-        for upcast, dst in ((True, outs[0]), (False, outs[1])):
-            alibi = kw.get("alibi_slopes")
-            kwb = {**kw, "alibi_slopes": alibi[b : b + 1]} if isinstance(alibi, Tensor) else kw
-            o, _ = attention_ref(
+        alibi = kw.get("alibi_slopes")
+        kwb = {**kw, "alibi_slopes": alibi[b : b + 1]} if isinstance(alibi, Tensor) else kw
+        for upcast in (True, False):
+            o, lse = attention_ref(
                 q[b : b + 1], kc[r : r + 1, lo:hi], vc[r : r + 1, lo:hi], upcast=upcast, **kwb
             )  # type: ignore[arg-type]
-            dst.append(o)
-    return torch.cat(outs[0]), torch.cat(outs[1])
+            outs[0 if upcast else 1].append(o)
+            if upcast:
+                outs[2].append(lse)
+    ref, same, ref_lse = (torch.cat(x) for x in outs)
+    return ref, same, ref_lse
 
 
 def test_cache_leftpad_contiguous_append_rotary_window() -> None:
@@ -344,24 +348,11 @@ def test_cache_leftpad_contiguous_append_rotary_window() -> None:
         torch.testing.assert_close(kc2, exp_k, atol=1e-6, rtol=1e-6)
         assert torch.equal(vc2, exp_v)
         q_rot = _rotary_ref(q, theta, seqlens.long()[:, None] + torch.arange(seqlen_q), True)
-        ref, same = _leftpad_ref(
+        ref, same, ref_lse = _leftpad_ref(
             q_rot, exp_k, exp_v, idx.tolist(), leftpad.tolist(), (seqlens + sn).tolist(), causal=True,
             window_size=window,
         )  # fmt: skip
         assert_close_to_ref(out, ref, same)
-        spans = zip(idx.tolist(), leftpad.tolist(), (seqlens + sn).tolist(), strict=True)
-        ref_lse = torch.cat(
-            [
-                attention_ref(
-                    q_rot[b : b + 1],
-                    exp_k[r : r + 1, lo:hi],
-                    exp_v[r : r + 1, lo:hi],
-                    causal=True,
-                    window_size=window,
-                )[1]
-                for b, (r, lo, hi) in enumerate(spans)
-            ]
-        )
         torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
@@ -388,7 +379,7 @@ def test_cache_leftpad_paged_alibi_softcap_splits(num_splits: int) -> None:
         out = flash_attn_with_kvcache(
             q, kc, vc, cache_seqlens=sl, block_table=bt, cache_leftpad=leftpad, num_splits=num_splits, **kw
         )  # type: ignore[arg-type]
-        ref, same = _leftpad_ref(q, rows, vrows, [0, 1, 2, 3], leftpad.tolist(), lens, **kw)
+        ref, same, _ = _leftpad_ref(q, rows, vrows, [0, 1, 2, 3], leftpad.tolist(), lens, **kw)
         assert torch.equal(out[3], torch.zeros_like(out[3]))  # leftpad == cache_seqlens: nothing visible
         assert_close_to_ref(out[:3], ref[:3], same[:3])
 
