@@ -23,7 +23,9 @@ step must read) and ``frac_of_roofline = tbps / copy bandwidth`` (a 2 GiB device
 same run, bytes read + written). Every implementation's output is checked against SDPA before timing;
 then a shape's rows are timed in ``--rounds`` round-robin rounds (default 2), each row keeping its
 fastest round (``ms``; ``ms_rounds`` lists all): a single sequential timing once read cuDNN 10% slow
-on one shape (b256/4k, 1.057 ms where its other runs read 0.94-0.96).
+on one shape (b256/4k, 1.057 ms where its other runs read 0.94-0.96). The ``planner`` and
+``contiguous`` rows also carry ``ms_graph``, the call replayed from a CUDA graph (no host time): an
+eager call can be host-bound where the kernel is short.
 
 Prefill rows (``bench="prefill"``): chunked prefill of 4 sequences x 2048 new tokens after a 2048-token
 cached prefix (bottom-right causal): the paged prefill kernel vs the flash forward kernel
@@ -368,7 +370,10 @@ def bench_decode_shape(
     e = _max_err(contiguous()[:, 0], ref)
     if e > _TOL:
         notes.append(f"flashpage contiguous b={b} ctx={ctx} h={h}/{hk}: max err {e:.3g} vs SDPA")
-    row("flashpage", contiguous, kv_bytes, dtype_name, variant="contiguous", max_err=e)
+    r_c = row("flashpage", contiguous, kv_bytes, dtype_name, variant="contiguous", max_err=e)
+    # The eager call's host time can exceed a short kernel's (b1/128k on the H200 machine: 0.20 ms
+    # eager for a 0.14 ms kernel): the graph replay gives the kernels' own time beside it.
+    r_c["ms_graph"] = graph_ms(contiguous, device, time_ms)
 
     if st.variants:
         best = None
