@@ -31,7 +31,14 @@ tables, fastest of two rounds):
   96.6 / 96.6 against 97.9 / 97.7, b1/128k 97.8 / 99.9 at 64 splits, 97.7 / 97.5 at 128 (planner
   98.7 / 98.6), b256/4k 98.4 / 98.3 (planner 98.4 / 98.6). 8 warps (n128h4w8, 80 registers, 3
   programs per SM) and 64 x 2-head tiles (n128h2w8) read 0.3-1% less than n128h4 at long contexts.
-  A +0.4-0.7% lead at batches of long contexts, short of cuDNN; not in the library.
+  A third H100 run (same day): n128h4 98.1 / 98.7 at b32/32k (planner 97.8 / 98.2), 97.7 / 98.1 at
+  b16/32k (97.3 / 97.8), 98.7 / 98.9 at b4/128k (98.3 / 98.2); whole pages per tile (n128h8: 16
+  tokens x 8 heads, 206 registers; n128h8w8: 8 warps, 128) 97.0-98.4, the split-first grid order
+  (n128h4sf) 97.4-98.4. So a +0.3-0.7% lead at batches of long contexts (where the planner already
+  takes several heads per program), short of cuDNN and not measured on the H200; not in the library.
+  Adopting it means 128-column tiles for several-head programs and a split count that fills one wave
+  of 2 programs per SM (4 at b32/32k: 256 programs for 264 slots), not the planner's ">= 2 programs
+  per SM".
 * A register-carried next tile (loads issued after the math of the current tile, the loop not
   pipelined by Triton) compiled to 215 registers and 126 ``PRMT`` per tile re-packing the carried
   tiles before their shared-memory stores (offline, ``decode_sass.py``); not timed.
@@ -64,6 +71,10 @@ VARIANTS: dict[str, dict[str, int]] = {
     "n128h4": {"block_n": 128, "heads_per_program": 4},
     "n128h4w8": {"block_n": 128, "heads_per_program": 4, "num_warps": 8},
     "n128h2w8": {"block_n": 128, "heads_per_program": 2, "num_warps": 8},
+    # Whole pages (16 tokens x 8 KV heads, 32 KiB) per tile; and n128h4 in split-first grid order.
+    "n128h8": {"block_n": 128, "heads_per_program": 8},
+    "n128h8w8": {"block_n": 128, "heads_per_program": 8, "num_warps": 8},
+    "n128h4sf": {"block_n": 128, "heads_per_program": 4, "heads_first": False},
 }
 SPLITS: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {
     (32, 32768): {
@@ -73,6 +84,9 @@ SPLITS: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {
         "n128h4": (4,),
         "n128h4w8": (4, 6),
         "n128h2w8": (2, 3),
+        "n128h8": (8,),
+        "n128h8w8": (8,),
+        "n128h4sf": (4,),
     },
     (64, 4096): {
         "s5h4": (2, 3),
@@ -98,8 +112,8 @@ SPLITS: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {
         "n128h4w8": (32, 48),
         "n128h2w8": (16, 24),
     },
-    (16, 32768): {"n128h4": (8,)},
-    (4, 131072): {"n128h4": (32,)},
+    (16, 32768): {"n128h4": (8,), "n128h8": (16,), "n128h8w8": (16,), "n128h4sf": (8,)},
+    (4, 131072): {"n128h4": (32,), "n128h8": (64,), "n128h8w8": (64,), "n128h4sf": (32,)},
     (1, 131072 * 2): {"n128h4": (128,)},
     (2, 512): {"s5h4": (2,), "s5h1": (1,), "n128h4w8": (1,)},  # --tiny
 }
