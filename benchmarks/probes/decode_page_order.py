@@ -166,6 +166,32 @@ def table_case(
     return t.to(torch.int32).to(dev), ref[:, :, 0].float(), want_read
 
 
+def add_decode_row(
+    rows: list[tuple[dict[str, Any], Callable[[], Any]]],
+    label: dict[str, Any],
+    q: Tensor,
+    kc: Tensor,
+    vc: Tensor,
+    bt: Tensor,
+    seqlens: Tensor,
+    ref: Tensor,
+    ctx: int,
+    **plan_kw: Any,
+) -> None:
+    """Plan a decode of ``q (b, h, d)`` over the paged caches with block table ``bt`` (``plan_kw`` to
+    :func:`plan_decode`), check it against ``ref`` and add its timed call to ``rows`` as a ``decode``
+    row labelled ``label`` and its split count."""
+    b, h, d = q.shape
+    hk, bs = kc.shape[2], kc.shape[1]
+    plan = plan_decode(
+        b, h, hk, d, block_size=bs, max_seqlen_k=ctx, q_dtype=q.dtype, device=q.device, **plan_kw
+    )
+    err = (run_decode(plan, q, kc, vc, bt, seqlens).float() - ref).abs().max().item()
+    assert err < 2e-2, (label, err)
+    fn = lambda: run_decode(plan, q, kc, vc, bt, seqlens)
+    rows.append(({"impl": "decode", **label, "splits": plan.num_splits}, fn))
+
+
 def probe_shape(
     b: int,
     ctx: int,
@@ -190,13 +216,7 @@ def probe_shape(
         def add(
             label: dict[str, Any], bt: Tensor = bt, ref: Tensor = ref, name: str = name, **plan_kw: Any
         ) -> None:
-            plan = plan_decode(
-                b, h, hk, d, block_size=bs, max_seqlen_k=ctx, q_dtype=dt, device=dev, **plan_kw
-            )
-            err = (run_decode(plan, q, kc, vc, bt, seqlens).float() - ref).abs().max().item()
-            assert err < 2e-2, (label, err)
-            fn = lambda: run_decode(plan, q, kc, vc, bt, seqlens)
-            rows.append(({"impl": "decode", "table": name, "splits": plan.num_splits, **label}, fn))
+            add_decode_row(rows, {"table": name, **label}, q, kc, vc, bt, seqlens, ref, ctx, **plan_kw)
 
         for ns in split_list if name in ("rand", "seq") else (0,):
             add({"req": ns}, num_splits=ns)

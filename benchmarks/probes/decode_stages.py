@@ -55,11 +55,9 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from decode_page_order import SHAPE, decode_inputs, run_probe, table_case, tables, time_rows
-from torch import Tensor
+from decode_page_order import SHAPE, add_decode_row, decode_inputs, run_probe, table_case, tables, time_rows
 
 from flashpage.ops.paged_decode import default_decode_config
-from flashpage.ops.paged_plan import plan_decode, run_decode
 
 # name -> config fields; split counts per (batch, ctx) below (0: the planner's).
 VARIANTS: dict[str, dict[str, int]] = {
@@ -131,7 +129,7 @@ def probe_shape(
     """Rows of one ``(batch, ctx)`` shape (``split_list`` unused: the counts come from ``SPLITS``)."""
     del split_list
     dt = torch.bfloat16
-    h, hk, d, bs = SHAPE
+    _, _, d, bs = SHAPE
     kc, vc, seqlens, q, kv_bytes = decode_inputs(b, ctx, dev, dt)
     rows: list[tuple[dict[str, Any], Callable[[], Any]]] = []
     pick = os.environ.get("VARIANTS", ",".join(VARIANTS)).split(",")
@@ -142,22 +140,12 @@ def probe_shape(
             continue
         bt, ref, _ = table_case(q, kc, vc, t, rows)
 
-        def add(
-            label: dict[str, Any], bt: Tensor = bt, ref: Tensor = ref, name: str = name, **plan_kw: Any
-        ) -> None:
-            plan = plan_decode(
-                b, h, hk, d, block_size=bs, max_seqlen_k=ctx, q_dtype=dt, device=dev, **plan_kw
-            )
-            err = (run_decode(plan, q, kc, vc, bt, seqlens).float() - ref).abs().max().item()
-            assert err < 2e-2, (label, err)
-            fn = lambda: run_decode(plan, q, kc, vc, bt, seqlens)
-            rows.append(({"impl": "decode", "table": name, "splits": plan.num_splits, **label}, fn))
-
-        add({"variant": "planner"})
+        add_decode_row(rows, {"table": name, "variant": "planner"}, q, kc, vc, bt, seqlens, ref, ctx)
         for vname in pick:
             cfg = replace(base_cfg, **VARIANTS[vname])
             for ns in SPLITS.get((b, ctx), {}).get(vname, ()):
-                add({"variant": vname}, config=cfg, num_splits=ns)
+                label = {"table": name, "variant": vname}
+                add_decode_row(rows, label, q, kc, vc, bt, seqlens, ref, ctx, config=cfg, num_splits=ns)
     return time_rows(rows, b, ctx, kv_bytes, bench, tiny)
 
 
