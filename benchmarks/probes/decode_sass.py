@@ -68,13 +68,23 @@ from flashpage.ops.paged_decode import (
     PagedAttnConfig,
     _paged_attn_kernel,
     default_decode_config,
+    kv_heads_per_program,
     paged_kernel_constexprs,
     paged_tiles,
+    with_heads,
 )
 from flashpage.ops.paged_prefill import default_prefill_config
 
 _KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 _PTR_TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp8": "*fp8e4nv"}
+
+
+def resolved(config: PagedAttnConfig, kv: str, group: int, nheads_k: int, q_len: int) -> PagedAttnConfig:
+    """``config`` with automatic heads per program (``0``) decided as the planner does where split-KV
+    is needed: the most heads that fill 16 query rows, with ``wide_block_n`` tiles."""
+    if config.heads_per_program:
+        return config
+    return with_heads(config, kv_heads_per_program(config, q_len, group, nheads_k, _KV_DTYPES[kv]))
 
 
 def compile_sm90(
@@ -83,6 +93,7 @@ def compile_sm90(
 ) -> Any:  # fmt: skip
     """The ``CompiledKernel`` of one decode launch of ``_paged_attn_kernel`` for sm_90 (``q_len`` > 1:
     a chunked-prefill launch, queries packed by ``cu_seqlens_q`` as :func:`paged_prefill` passes them)."""
+    config = resolved(config, kv, group, nheads_k, q_len)
     tiles = paged_tiles(config, q_len, group * nheads_k, nheads_k, _KV_DTYPES[kv])
     q = "fp16" if kv == "fp8" else kv
     consts = paged_kernel_constexprs(
@@ -188,7 +199,9 @@ def main() -> None:
     parser.add_argument("--sass", help="also write the SASS to this file")
     parser.add_argument("overrides", nargs="*", help="PagedAttnConfig fields, key=value")
     args = parser.parse_args()
-    cfg = _config(args.kv, args.d, args.overrides, args.q_len)
+    cfg = resolved(
+        _config(args.kv, args.d, args.overrides, args.q_len), args.kv, args.group, args.heads_k, args.q_len
+    )
     report = sass_report(compile_sm90(cfg, args.kv, args.group, args.heads_k, args.d, args.split, args.q_len))
     if args.sass:
         Path(args.sass).write_text(report["sass"])

@@ -416,6 +416,52 @@ def test_num_splits_planner_rule() -> None:
     assert choose_num_splits(256, 8, 4096, 132) == 1
     assert choose_num_splits(1, 8, 1024, 132) == 4  # capped: >= 256 keys per split
     assert choose_num_splits(1, 1, 10**7, 132, max_splits=128) == 128
+    # One wave of 2 programs per SM (the wide several-head tiles): never a partial second wave.
+    assert choose_num_splits(32, 2, 32768, 132, one_wave_of=2) == 4  # 256 of 264 slots (not 8)
+    assert choose_num_splits(16, 2, 32768, 132, one_wave_of=2) == 8
+    assert choose_num_splits(4, 2, 131072, 132, one_wave_of=2) == 32
+    assert choose_num_splits(33, 8, 4096, 132, one_wave_of=2) == 1  # more than a wave already
+    assert choose_num_splits(1, 2, 1024, 132, one_wave_of=2) == 4  # still >= 256 keys per split
+    assert choose_num_splits(1, 1, 10**7, 132, max_splits=64, one_wave_of=2) == 64
+    with pytest.raises(ValueError, match="one_wave_of"):
+        choose_num_splits(1, 1, 1024, 132, one_wave_of=-1)
+
+
+def test_wide_tiles_for_several_head_programs(device: str) -> None:
+    """Where the planner gives a program several KV heads, the default decode config takes
+    ``wide_block_n`` columns per tile and one wave of two programs per SM; the result still equals
+    the reference (16-token pages, so a 128-column tile of 2 heads gathers 4 pages)."""
+    from flashpage.ops.paged_decode import resolve_launch
+
+    bf16, cpu = torch.bfloat16, torch.device("cpu")  # 4 "SMs" off CUDA
+    auto = default_decode_config(bf16, 32)
+    assert auto.wide_block_n == 128 and default_decode_config(bf16, 32, paged=False).wide_block_n == 0
+    assert default_decode_config(torch.float8_e4m3fn, 32).wide_block_n == 0
+    # batch 3, GQA 8/2: 3 x 2 one-head programs < 2 x 4 SMs, so 2 heads; 3 programs per split.
+    cfg, tiles, splits = resolve_launch(auto, 0, 3, 1, 8, 2, bf16, 4096, cpu)
+    assert (cfg.heads_per_program, cfg.block_n, tiles.tile_tokens, splits) == (2, 128, 64, 2)
+    narrow = replace(auto, wide_block_n=0)
+    cfg_n, tiles_n, splits_n = resolve_launch(narrow, 0, 3, 1, 8, 2, bf16, 4096, cpu)
+    assert (cfg_n.heads_per_program, cfg_n.block_n, tiles_n.tile_tokens, splits_n) == (2, 64, 32, 4)
+    # One head per program (enough programs), an explicit head count, or a given split count for
+    # the splits: block_n and the split rule stay.
+    cfg1, _, splits1 = resolve_launch(auto, 0, 8, 1, 8, 2, bf16, 4096, cpu)
+    assert (cfg1.heads_per_program, cfg1.block_n, splits1) == (1, 64, 1)
+    cfg2, _, _ = resolve_launch(replace(auto, heads_per_program=2), 0, 3, 1, 8, 2, bf16, 4096, cpu)
+    assert cfg2.block_n == 64
+    assert resolve_launch(auto, 3, 3, 1, 8, 2, bf16, 4096, cpu)[2] == 3
+    with pytest.raises(ValueError, match="wide_block_n"):
+        PagedAttnConfig(wide_block_n=96)
+
+    lens, nheads, nheads_k, d = [300, 17, 256], 8, 2, 32
+    kc, vc, bt, sl = make_paged_cache(lens, 16, nheads_k, d)
+    q = torch.randn(3, nheads, d)
+    plan = plan_decode(3, nheads, nheads_k, d, block_size=16, max_seqlen_k=1024, q_dtype=torch.float32,
+                       device=device)  # fmt: skip
+    if torch.device(device).type == "cpu":
+        assert (plan.config.heads_per_program, plan.config.block_n, plan.num_splits) == (2, 128, 2)
+    ref, _, same = _refs(q.unsqueeze(1), kc, vc, bt, sl, causal=True)
+    assert_close_to_ref(run_decode(plan, q, kc, vc, bt, sl), ref[:, 0], same[:, 0])
 
 
 def test_resolve_launch_is_remembered_and_still_refuses() -> None:

@@ -288,6 +288,7 @@ def bench_decode_shape(
     ``time_ms`` so best and planner rows are measured alike.
     """
     from flashpage.ops.cache_write import fp8_kv_scales
+    from flashpage.ops.paged_decode import default_decode_config
     from flashpage.ops.paged_plan import plan_decode, run_decode
 
     b, ctx, h, hk, d, bs = shape.batch, shape.ctx, shape.nheads, shape.nheads_k, shape.head_dim, st.block_size
@@ -344,13 +345,19 @@ def bench_decode_shape(
         lambda: run_decode(plan, q, k_cache, v_cache, block_table, seqlens), device, time_ms
     )
 
-    # One KV head per program (the tiling before several-head programs), same table, same run.
+    # One KV head per program (the tiling before several-head programs), and several heads over
+    # the default 64-column tiles with the ">= 2 programs per SM" split rule (before wide tiles):
+    # same table, same run.
     if plan.config.heads_per_program > 1:
-        one_head = replace(plan.config, heads_per_program=1)
-        p1 = plan_decode(
-            b, h, hk, d, block_size=bs, max_seqlen_k=ctx, q_dtype=dt, device=device, config=one_head
-        )
-        timed_plan("one-head", p1, k_cache, v_cache)
+        default_cfg = default_decode_config(dt, d)
+        variants = {"one-head": replace(default_cfg, heads_per_program=1)}
+        if plan.config.block_n != default_cfg.block_n:  # the planner took wide tiles
+            variants["narrow-tiles"] = replace(default_cfg, wide_block_n=0)
+        for name, cfg in variants.items():
+            p1 = plan_decode(
+                b, h, hk, d, block_size=bs, max_seqlen_k=ctx, q_dtype=dt, device=device, config=cfg
+            )
+            timed_plan(name, p1, k_cache, v_cache)
 
     # The same plan over the tables an engine's block manager builds (ascending runs); its own
     # SDPA reference, since the table maps other blocks.

@@ -68,6 +68,7 @@ __all__ = [
     "resolve_launch",
     "resolve_num_splits",
     "wide_offsets",
+    "with_heads",
 ]
 
 # "Unbounded" window side: far beyond any context, small enough that pos +- it stays in int32.
@@ -119,6 +120,10 @@ class PagedAttnConfig:
             when all KV heads share a program) instead of one ``d``-element row per head, strided by
             ``nheads_k * d``; ``Q K^T`` masks the pairs of different heads. Lowered to the largest
             power of two dividing ``nheads_k`` (and ``block_n``); ``1`` with fp8 caches or TMA.
+        wide_block_n: ``0``, or the tile columns (a power of two >= 16) that replace ``block_n``
+            when ``heads_per_program=0`` resolves to several KV heads per program; the planner's
+            split count (``num_splits=0``) then fills one wave of two such programs per SM
+            (:func:`resolve_launch`). cuDNN's decode tile: 32 KiB K and V tiles, two per SM.
     """
 
     block_m: int = 0
@@ -136,6 +141,7 @@ class PagedAttnConfig:
     combine_block_d: int = 0
     combine_warps: int = 4
     heads_per_program: int = 1
+    wide_block_n: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps"):
@@ -144,6 +150,9 @@ class PagedAttnConfig:
                 raise ValueError(f"PagedAttnConfig.{name} must be a positive power of two, got {val!r}")
         if self.block_n < 16:
             raise ValueError(f"PagedAttnConfig.block_n must be >= 16 (tl.dot), got {self.block_n}")
+        wide = self.wide_block_n
+        if isinstance(wide, bool) or not isinstance(wide, int) or (wide and (wide < 16 or wide & (wide - 1))):
+            raise ValueError(f"PagedAttnConfig.wide_block_n must be 0 or a power of two >= 16, got {wide!r}")
         if self.block_m and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
             raise ValueError(f"PagedAttnConfig.block_m must be 0 or a power of two >= 16, got {self.block_m}")
         if self.combine_block_d and (
@@ -176,6 +185,8 @@ class PagedAttnConfig:
         extra += f"-c{self.combine_block_d}" if self.combine_block_d else ""
         extra += f"-cw{self.combine_warps}" if self.combine_warps != 4 else ""
         extra += "" if self.heads_per_program == 1 else f"-h{self.heads_per_program or 'auto'}"
+        # Once heads are decided (resolve_launch) block_n already says which tiles run.
+        extra += f"-wide{self.wide_block_n}" if self.wide_block_n and self.heads_per_program == 0 else ""
         return f"n{self.block_n}w{self.num_warps}s{self.num_stages}{extra}"
 
 
@@ -201,6 +212,17 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     on the H100: b32/32k +0.6-0.8%, MHA b8/32k +0.9-1.3% against one head in the same run).
     Contiguous caches keep one head: their 4-stage pipeline holds one or two programs per SM, and
     with fewer programs b1/128k read 16% less.
+
+    Those several-head programs take 128-column tiles (``wide_block_n``: 32 tokens x 4 KV heads,
+    32 KiB K and V tiles, as cuDNN's decode kernel reads; 200 registers with triton 3.6, 188 with
+    3.9: two programs per SM) and a split count filling one wave of them (b32/32k: 4 splits, 256
+    programs for 264 slots, where the 64-column tiles' ">= 2 programs per SM" rule takes 8). H100,
+    against the 64-column tiles in the same run, % of cuDNN on a contiguous cache: probe
+    ``benchmarks/probes/decode_stages.py`` (3 runs, 2026-12-06) b32/32k 98.1-98.9 vs 97.8-98.3,
+    b16/32k +0.4-0.6, b4/128k +0.4-0.5 points; ``flashpage bench decode`` (2026-12-06, one run)
+    b32/32k 98.0 vs 97.9, MHA b8/32k 98.3 vs 98.1. Shapes where one head per program fills the GPU
+    (b64/4k, b256/4k) or b1/128k (one head, 64 splits) are unchanged; there these tiles read less
+    (b64/4k 96.6 vs 97.9 at 2 splits).
 
     On sm_90 (d=128) bf16 compiles without spills; with 32-bit KV-row offsets (``narrow_offsets``,
     used where the caches allow) triton 3.6 gives 112 registers (88 with split-KV: 5 programs per
@@ -250,6 +272,7 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
         num_warps=4,
         num_stages=2 if paged else 4,
         heads_per_program=0 if paged else 1,
+        wide_block_n=128 if paged else 0,
         **split_opts,
     )
 
@@ -1252,6 +1275,7 @@ def resolve_num_splits(
     seqlen_k: int,
     tile_tokens: int,
     device: torch.device,
+    one_wave_of: int = 0,
 ) -> int:
     """``num_splits`` if positive, else the planner's choice; never more than the tiles of ``seqlen_k``.
 
@@ -1260,15 +1284,25 @@ def resolve_num_splits(
         head_programs: programs per problem and split (:attr:`PagedTiles.head_programs`).
         seqlen_k: host-side bound on the keys per sequence (no device sync).
         tile_tokens: KV tokens per tile (:attr:`PagedTiles.tile_tokens`).
+        one_wave_of: programs per SM the planner fills exactly one wave of (``0``: at least two
+            programs per SM); see :func:`~flashpage.roofline.planner.choose_num_splits`.
     """
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [0, {_MAX_SPLITS}] (0 = planner), got {num_splits!r}")
     if num_splits == 0:
-        # Smallest power of two with >= 2 waves of programs, >= 256 keys per split (roofline planner).
+        # The roofline planner: >= 2 programs per SM (or one wave of one_wave_of), >= 256 keys per split.
         num_splits = choose_num_splits(
-            max(work_items, 1), head_programs, max(seqlen_k, 1), default_num_sms(device)
-        )
+            max(work_items, 1), head_programs, max(seqlen_k, 1), default_num_sms(device),
+            one_wave_of=one_wave_of,
+        )  # fmt: skip
     return max(1, min(num_splits, cdiv(max(seqlen_k, 1), tile_tokens)))
+
+
+def with_heads(config: PagedAttnConfig, heads: int) -> PagedAttnConfig:
+    """``config`` (``heads_per_program=0``, auto) with its heads per program decided: ``heads``, and
+    for ``heads > 1`` ``config.wide_block_n`` tile columns where set."""
+    wide = heads > 1 and config.wide_block_n
+    return replace(config, heads_per_program=heads, block_n=config.wide_block_n if wide else config.block_n)
 
 
 def resolve_launch(
@@ -1286,8 +1320,10 @@ def resolve_launch(
 
     ``config.heads_per_program == 0`` (auto) becomes the planner's
     :func:`~flashpage.roofline.planner.choose_heads_per_program` up to what fills 16 query rows
-    (:func:`kv_heads_per_program`), or that maximum when ``num_splits`` is given. The returned
-    config is what to launch with (``launch_paged_attention`` recomputes the same tiles from it).
+    (:func:`kv_heads_per_program`), or that maximum when ``num_splits`` is given; several heads
+    take ``config.wide_block_n`` columns per tile where set, and then the planner's split count fills
+    one wave of two programs per SM. The returned config is what to launch with
+    (``launch_paged_attention`` recomputes the same tiles from it).
 
     Args:
         seqlen_k: host-side bound on the keys per sequence (no device sync).
@@ -1298,6 +1334,7 @@ def resolve_launch(
 
     def plan() -> tuple[PagedAttnConfig, PagedTiles, int]:
         cfg = config
+        one_wave_of = 0
         if cfg.heads_per_program == 0:
             most = kv_heads_per_program(cfg, max_seqlen_q, nheads // nheads_k, nheads_k, kv_dtype)
             heads = most
@@ -1308,11 +1345,13 @@ def resolve_launch(
                 heads = choose_heads_per_program(
                     max(batch * widest.q_tiles, 1), nheads_k, most, max(seqlen_k, 1), default_num_sms(device)
                 )
-            cfg = replace(cfg, heads_per_program=heads)
+            one_wave_of = 2 if heads > 1 and cfg.wide_block_n else 0
+            cfg = with_heads(cfg, heads)
         tiles = paged_tiles(cfg, max_seqlen_q, nheads, nheads_k, kv_dtype)
         splits = resolve_num_splits(
-            num_splits, batch * tiles.q_tiles, tiles.head_programs, seqlen_k, tiles.tile_tokens, device
-        )
+            num_splits, batch * tiles.q_tiles, tiles.head_programs, seqlen_k, tiles.tile_tokens, device,
+            one_wave_of=one_wave_of,
+        )  # fmt: skip
         return cfg, tiles, splits
 
     key = (config, num_splits, batch, max_seqlen_q, nheads, nheads_k, kv_dtype, seqlen_k, device)
