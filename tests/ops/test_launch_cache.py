@@ -24,7 +24,15 @@ from flashpage.ops import flash_fwd as ff
 from flashpage.ops import paged_decode as pd
 from flashpage.ops.flash_configs import BwdConfig
 from flashpage.ops.kvcache import flash_attn_with_kvcache
-from flashpage.ops.launch_cache import LaunchCache, aligned, cdiv, int_spec, next_pow2, programs_per_sm
+from flashpage.ops.launch_cache import (
+    LaunchCache,
+    aligned,
+    cdiv,
+    int_spec,
+    int_specs,
+    next_pow2,
+    programs_per_sm,
+)
 from flashpage.ops.reference import attention_ref, varlen_attention_ref
 from tests.tolerance import assert_close_to_ref
 
@@ -100,6 +108,7 @@ def test_int_spec_classes() -> None:
     assert int_spec(2**31) == 6 and int_spec(2**31 + 1) == 4  # i64, multiple of 16 or not
     assert int_spec(2**63 + 1) == 8  # u64
     assert len({int_spec(x) for x in (1, 16, 17, 2**31, 2**31 + 1, 2**63 + 1)}) == 6
+    assert int_specs((1, 16, 17, 2**31)) == (1, 2, 0, 6) and int_specs(()) == ()
 
 
 def test_host_int_helpers_match_triton() -> None:
@@ -115,6 +124,12 @@ def test_host_int_helpers_match_triton() -> None:
 def test_aligned_bits() -> None:
     x = torch.empty(64)
     assert aligned(x, x[4:], x[1:]) == 0b011
+
+    class Descriptor:  # a tensor descriptor counts by its base tensor
+        def __init__(self, base: torch.Tensor) -> None:
+            self.base = base
+
+    assert aligned(Descriptor(x[1:]), Descriptor(x), x[1:]) == 0b010
 
 
 def test_padded_calls_replay_and_match(replay_cache: _FakeJit | None) -> None:

@@ -45,7 +45,7 @@ from flashpage.ops.backend import interpreter_enabled
 from flashpage.ops.cache_write import is_fp8_dtype, validate_scale
 from flashpage.ops.flash_configs import pdl_supported, tma_supported
 from flashpage.ops.flash_fwd import make_row_descriptor, tma_row_view_ok
-from flashpage.ops.launch_cache import LaunchCache, Memo, aligned, cdiv, int_spec, next_pow2
+from flashpage.ops.launch_cache import LaunchCache, Memo, aligned, cdiv, int_specs, next_pow2
 
 # The roofline planner's split-KV and heads-per-program rules.
 from flashpage.roofline.planner import choose_heads_per_program, choose_num_splits, pow2_divisor_at_most
@@ -1019,7 +1019,7 @@ def launch_paged_attention(
         None if alibi_slopes is None else (alibi_slopes.dim(), alibi_slopes.stride(0)), split, write_lse, upcast, fused, use_tma,
         wide, pdl, heads_first,
         q.stride(), k_cache.stride(), v_cache.stride(), out.stride(), aligned(*tensors),
-        tuple(int_spec(x) for x in ints),
+        int_specs(ints),
     )  # fmt: skip
 
     def build() -> tuple[list[Any], dict[str, Any]]:
@@ -1050,7 +1050,7 @@ def launch_paged_attention(
         block_dc = min(config.combine_block_d or next_pow2(head_dim), next_pow2(head_dim))
         c_key = (
             head_dim, block_s, block_dc, config.combine_warps, write_lse, pdl, out.dtype, q.device.index, out.stride(), aligned(*c_tensors),
-            tuple(int_spec(x) for x in c_ints),
+            int_specs(c_ints),
         )  # fmt: skip
 
         def build_combine() -> tuple[list[Any], dict[str, Any]]:
