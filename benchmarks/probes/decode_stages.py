@@ -73,7 +73,12 @@ VARIANTS: dict[str, dict[str, int]] = {
     "n128h8": {"block_n": 128, "heads_per_program": 8},
     "n128h8w8": {"block_n": 128, "heads_per_program": 8, "num_warps": 8},
     "n128h4sf": {"block_n": 128, "heads_per_program": 4, "heads_first": False},
+    # The default tiles with L2 prefetches 1 / 2 / 4 tiles ahead, at the planner's split count.
+    "l2p1": {"l2_prefetch": 1},
+    "l2p2": {"l2_prefetch": 2},
+    "l2p4": {"l2_prefetch": 4},
 }
+PLANNER_SPLITS = ("l2p1", "l2p2", "l2p4")  # variants timed at the planner's count on every shape
 SPLITS: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {
     (32, 32768): {
         "s5h4": (4, 6),
@@ -144,7 +149,7 @@ def probe_shape(
         add_decode_row(rows, {"table": name, "variant": "planner"}, q, kc, vc, bt, seqlens, ref, ctx)
         for vname in pick:
             cfg = replace(base_cfg, **VARIANTS[vname])
-            for ns in SPLITS.get((b, ctx), {}).get(vname, ()):
+            for ns in (0,) if vname in PLANNER_SPLITS else SPLITS.get((b, ctx), {}).get(vname, ()):
                 label = {"table": name, "variant": vname}
                 add_decode_row(rows, label, q, kc, vc, bt, seqlens, ref, ctx, config=cfg, num_splits=ns)
     return time_rows(rows, b, ctx, kv_bytes, bench, tiny)

@@ -124,6 +124,11 @@ class PagedAttnConfig:
             when ``heads_per_program=0`` resolves to several KV heads per program; the planner's
             split count (``num_splits=0``) then fills one wave of two such programs per SM
             (:func:`resolve_launch`). cuDNN's decode tile: 32 KiB K and V tiles, two per SM.
+        l2_prefetch: ``0``, or how many tiles ahead of the one being read each program issues L2
+            prefetches (``prefetch.global.L2``, one per 128-byte line of its K and V rows) for a
+            paged cache: the page's address translation and its lines are then fetched while
+            earlier tiles are computed on, beyond the one tile of loads the software pipeline keeps
+            in flight. A hint with no effect on results; CUDA only (dropped under the interpreter).
     """
 
     block_m: int = 0
@@ -142,6 +147,7 @@ class PagedAttnConfig:
     combine_warps: int = 4
     heads_per_program: int = 1
     wide_block_n: int = 0
+    l2_prefetch: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps"):
@@ -168,6 +174,9 @@ class PagedAttnConfig:
         hpp = self.heads_per_program
         if isinstance(hpp, bool) or not isinstance(hpp, int) or hpp < 0 or hpp & (hpp - 1):
             raise ValueError(f"PagedAttnConfig.heads_per_program must be 0 or a power of two, got {hpp!r}")
+        pf = self.l2_prefetch
+        if isinstance(pf, bool) or not isinstance(pf, int) or pf < 0:
+            raise ValueError(f"PagedAttnConfig.l2_prefetch must be a non-negative int, got {pf!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"PagedAttnConfig.num_stages must be a positive int, got {self.num_stages!r}")
         if not isinstance(self.maxnreg, int) or not (self.maxnreg == 0 or 32 <= self.maxnreg <= 255):
@@ -187,6 +196,7 @@ class PagedAttnConfig:
         extra += "" if self.heads_per_program == 1 else f"-h{self.heads_per_program or 'auto'}"
         # Once heads are decided (resolve_launch) block_n already says which tiles run.
         extra += f"-wide{self.wide_block_n}" if self.wide_block_n and self.heads_per_program == 0 else ""
+        extra += f"-l2p{self.l2_prefetch}" if self.l2_prefetch else ""
         return f"n{self.block_n}w{self.num_warps}s{self.num_stages}{extra}"
 
 
@@ -311,6 +321,23 @@ def _widen(x, WIDE: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Hint: bring the 128-byte line of each pointer into L2 (no result, no fault on a valid address)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _prefetch_rows(base, off, offs_d):
+    """L2-prefetch the rows of ``len(offs_d)`` elements at ``base + off`` (``off``: ``[BLOCK_N]``)."""
+    ROW: tl.constexpr = offs_d.shape[0]
+    LINE: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
+    LINES: tl.constexpr = ROW // LINE if ROW > LINE else 1
+    _prefetch_l2(base + off[:, None] + (tl.arange(0, LINES) * LINE)[None, :])
+
+
+@triton.jit
 def _attn_kv_loop(
     acc,
     l_i,
@@ -358,6 +385,7 @@ def _attn_kv_loop(
     USE_TMA: tl.constexpr,
     PREFETCH_TABLE: tl.constexpr,
     WIDE: tl.constexpr,
+    L2_AHEAD: tl.constexpr,
 ):
     """Online-softmax over the KV tokens ``[start, end)`` (``start`` a multiple of ``TOKN``).
 
@@ -403,6 +431,17 @@ def _attn_kv_loop(
         if HPP > 1:
             k_off += col_k
             v_off += col_v
+        if L2_AHEAD > 0 and PAGE_SIZE > 0 and EVEN_D:
+            # Rows L2_AHEAD tiles on; past the sequence end block 0's rows (in bounds, harmless).
+            j_pf = j + L2_AHEAD * TOKN
+            blk_pf = _widen(tl.load(bt_row + j_pf // PAGE_SIZE, mask=j_pf < ctx, other=0), WIDE)
+            pf_k = blk_pf * stride_kb + (j_pf % PAGE_SIZE) * stride_kt
+            pf_v = blk_pf * stride_vb + (j_pf % PAGE_SIZE) * stride_vt
+            if HPP > 1:
+                pf_k += col_k
+                pf_v += col_v
+            _prefetch_rows(K, pf_k, offs_d)
+            _prefetch_rows(V, pf_v, offs_d)
         n_ok = j < ctx
         if HAS_KV_START:
             # Left padding may be slots never written (NaN garbage): not read, as past the end.
@@ -536,6 +575,7 @@ def _paged_attn_kernel(
     WIDE_OFFSETS: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
     PDL: tl.constexpr,
+    L2_AHEAD: tl.constexpr,
 ):
     if PDL:
         # Lets the combine kernel (launched as a programmatic dependent) be scheduled as soon as
@@ -649,19 +689,19 @@ def _paged_attn_kernel(
         acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, s_lo, a_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
         stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
-        WIDE_OFFSETS,
+        WIDE_OFFSETS, L2_AHEAD,
     )  # fmt: skip
     acc, l_i, m_i = _attn_kv_loop(
         acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, a_end, b_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
         stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, False, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
-        WIDE_OFFSETS,
+        WIDE_OFFSETS, L2_AHEAD,
     )  # fmt: skip
     acc, l_i, m_i = _attn_kv_loop(
         acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, b_end, s_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
         stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
-        WIDE_OFFSETS,
+        WIDE_OFFSETS, L2_AHEAD,
     )  # fmt: skip
 
     nonempty = l_i > 0.0
@@ -1036,6 +1076,7 @@ def launch_paged_attention(
             fp32_dot=q.dtype == torch.float32 or upcast, upcast=upcast, varlen_q=cu_seqlens_q is not None,
             batch_idx=cache_batch_idx is not None, kv_start=kv_start is not None, softcap=softcap > 0, alibi=alibi_slopes is not None,
             write_lse=write_lse, fused=fused, use_tma=use_tma, wide=wide, heads_first=heads_first, pdl=pdl,
+            l2_prefetch=q.device.type == "cuda",
         )  # fmt: skip
         kwargs.update(num_warps=config.num_warps, num_stages=config.num_stages)
         if config.maxnreg and q.device.type == "cuda":
@@ -1091,13 +1132,15 @@ def paged_kernel_constexprs(
     wide: bool = False,
     heads_first: bool = False,
     pdl: bool = False,
+    l2_prefetch: bool = False,
 ) -> dict[str, Any]:
     """The compile-time arguments of :func:`_paged_attn_kernel` for one launch (by name).
 
     :func:`launch_paged_attention` derives the flags from its arguments; the offline codegen probe
     (``benchmarks/probes/decode_sass.py``) passes the decode case it compiles. ``page_size`` is
     ``0`` for a contiguous cache; ``fp32_dot``: ``tl.dot`` in IEEE fp32 (fp32 queries, or bf16
-    upcast under the interpreter) instead of tf32/bf16.
+    upcast under the interpreter) instead of tf32/bf16; ``l2_prefetch``: issue the config's L2
+    prefetches (CUDA only: inline PTX).
     """
     return {
         "G": group, "HPP": tiles.heads, "HEAD_DIM": head_dim, "BLOCK_D": max(16, next_pow2(head_dim)),
@@ -1106,6 +1149,7 @@ def paged_kernel_constexprs(
         "WRITE_LSE": write_lse, "DOT_PRECISION": "ieee" if fp32_dot else "tf32", "UPCAST": upcast,
         "EARLY_V": config.early_v, "FUSED_COMBINE": fused, "USE_TMA": use_tma,
         "PREFETCH_TABLE": config.prefetch_table, "WIDE_OFFSETS": wide, "HEADS_FIRST": heads_first, "PDL": pdl,
+        "L2_AHEAD": config.l2_prefetch if l2_prefetch and page_size else 0,
     }  # fmt: skip
 
 
