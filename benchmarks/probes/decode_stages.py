@@ -77,8 +77,17 @@ VARIANTS: dict[str, dict[str, int]] = {
     "l2p1": {"l2_prefetch": 1},
     "l2p2": {"l2_prefetch": 2},
     "l2p4": {"l2_prefetch": 4},
+    # Whole pages (all KV heads) as one bulk prefetch each, from the first head group's program.
+    "l2p1pg": {"l2_prefetch": 1, "l2_prefetch_pages": True},
+    "l2p2pg": {"l2_prefetch": 2, "l2_prefetch_pages": True},
 }
-PLANNER_SPLITS = ("l2p1", "l2p2", "l2p4")  # variants timed at the planner's count on every shape
+PLANNER_SPLITS = (
+    "l2p1",
+    "l2p2",
+    "l2p4",
+    "l2p1pg",
+    "l2p2pg",
+)  # variants timed at the planner's count on every shape
 SPLITS: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {
     (32, 32768): {
         "s5h4": (4, 6),

@@ -129,6 +129,9 @@ class PagedAttnConfig:
             paged cache: the page's address translation and its lines are then fetched while
             earlier tiles are computed on, beyond the one tile of loads the software pipeline keeps
             in flight. A hint with no effect on results; CUDA only (dropped under the interpreter).
+        l2_prefetch_pages: with ``l2_prefetch``, prefetch whole pages (every KV head) as one bulk
+            prefetch each (``cp.async.bulk.prefetch.L2``, sm_90+), issued by the program of the
+            first KV heads only, instead of each program's own rows line by line.
     """
 
     block_m: int = 0
@@ -148,6 +151,7 @@ class PagedAttnConfig:
     heads_per_program: int = 1
     wide_block_n: int = 0
     l2_prefetch: int = 0
+    l2_prefetch_pages: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps"):
@@ -197,6 +201,7 @@ class PagedAttnConfig:
         # Once heads are decided (resolve_launch) block_n already says which tiles run.
         extra += f"-wide{self.wide_block_n}" if self.wide_block_n and self.heads_per_program == 0 else ""
         extra += f"-l2p{self.l2_prefetch}" if self.l2_prefetch else ""
+        extra += "pg" if self.l2_prefetch and self.l2_prefetch_pages else ""
         return f"n{self.block_n}w{self.num_warps}s{self.num_stages}{extra}"
 
 
@@ -338,6 +343,17 @@ def _prefetch_rows(base, off, offs_d):
 
 
 @triton.jit
+def _prefetch_pages(ptrs, lead, nbytes):
+    """Hint: bring ``nbytes`` (a multiple of 16) from each pointer whose ``lead`` is set into L2, as
+    one bulk prefetch (sm_90+)."""
+    tl.inline_asm_elementwise(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $3;"
+        "\n\tmov.u32 $0, 0;\n\t}",
+        "=r,l,r,r", [ptrs, lead, nbytes], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
 def _attn_kv_loop(
     acc,
     l_i,
@@ -386,6 +402,7 @@ def _attn_kv_loop(
     PREFETCH_TABLE: tl.constexpr,
     WIDE: tl.constexpr,
     L2_AHEAD: tl.constexpr,
+    L2_PAGES: tl.constexpr,
 ):
     """Online-softmax over the KV tokens ``[start, end)`` (``start`` a multiple of ``TOKN``).
 
@@ -437,11 +454,22 @@ def _attn_kv_loop(
             blk_pf = _widen(tl.load(bt_row + j_pf // PAGE_SIZE, mask=j_pf < ctx, other=0), WIDE)
             pf_k = blk_pf * stride_kb + (j_pf % PAGE_SIZE) * stride_kt
             pf_v = blk_pf * stride_vb + (j_pf % PAGE_SIZE) * stride_vt
-            if HPP > 1:
-                pf_k += col_k
-                pf_v += col_v
-            _prefetch_rows(K, pf_k, offs_d)
-            _prefetch_rows(V, pf_v, offs_d)
+            if L2_PAGES:
+                # Whole pages (every KV head), once: by the first head group's program, from the
+                # column holding a page's first row of head 0.
+                lead = (j_pf % PAGE_SIZE == 0) & (kv_col == 0)
+                if HPP > 1:
+                    lead = lead & (col_k == 0)
+                lead_i = lead.to(tl.int32)
+                nbytes = (PAGE_SIZE * stride_kt * (K.dtype.element_ty.primitive_bitwidth // 8)).to(tl.int32)
+                _prefetch_pages(K + pf_k, lead_i, lead_i * 0 + nbytes)
+                _prefetch_pages(V + pf_v, lead_i, lead_i * 0 + nbytes)
+            else:
+                if HPP > 1:
+                    pf_k += col_k
+                    pf_v += col_v
+                _prefetch_rows(K, pf_k, offs_d)
+                _prefetch_rows(V, pf_v, offs_d)
         n_ok = j < ctx
         if HAS_KV_START:
             # Left padding may be slots never written (NaN garbage): not read, as past the end.
@@ -576,6 +604,7 @@ def _paged_attn_kernel(
     HEADS_FIRST: tl.constexpr,
     PDL: tl.constexpr,
     L2_AHEAD: tl.constexpr,
+    L2_PAGES: tl.constexpr,
 ):
     if PDL:
         # Lets the combine kernel (launched as a programmatic dependent) be scheduled as soon as
@@ -689,19 +718,19 @@ def _paged_attn_kernel(
         acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, s_lo, a_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
         stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
-        WIDE_OFFSETS, L2_AHEAD,
+        WIDE_OFFSETS, L2_AHEAD, L2_PAGES,
     )  # fmt: skip
     acc, l_i, m_i = _attn_kv_loop(
         acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, a_end, b_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
         stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, False, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
-        WIDE_OFFSETS, L2_AHEAD,
+        WIDE_OFFSETS, L2_AHEAD, L2_PAGES,
     )  # fmt: skip
     acc, l_i, m_i = _attn_kv_loop(
         acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, b_end, s_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
         stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
-        WIDE_OFFSETS, L2_AHEAD,
+        WIDE_OFFSETS, L2_AHEAD, L2_PAGES,
     )  # fmt: skip
 
     nonempty = l_i > 0.0
@@ -1150,6 +1179,7 @@ def paged_kernel_constexprs(
         "EARLY_V": config.early_v, "FUSED_COMBINE": fused, "USE_TMA": use_tma,
         "PREFETCH_TABLE": config.prefetch_table, "WIDE_OFFSETS": wide, "HEADS_FIRST": heads_first, "PDL": pdl,
         "L2_AHEAD": config.l2_prefetch if l2_prefetch and page_size else 0,
+        "L2_PAGES": config.l2_prefetch_pages,
     }  # fmt: skip
 
 
