@@ -55,13 +55,3 @@ def test_chunked_prefill_mask_free_loop_runs_on_wgmma_without_spills() -> None:
     assert mask_free.get("HGMMA.64x128x16.F32.BF16", 0) == 16, mask_free
     assert mask_free.get("LDGSTS.E.BYPASS.128", 0) >= 16, mask_free
     assert not any(op.startswith(("LDL", "STL")) for op in mask_free), mask_free
-
-
-def test_l2_prefetch_is_one_hint_per_line_and_costs_no_spill() -> None:
-    """``l2_prefetch``: each tile's K and V rows (4-head 128-column tiles, 256-byte rows: 512 lines
-    per tile) are prefetched as one ``CCTL.E.PF2`` per 128-byte line, 4 per thread, without
-    spilling or losing the two programs per SM."""
-    rep = _report("--split", "l2_prefetch=2")
-    assert rep["config"].endswith("-h4-l2p2"), rep["config"]
-    assert rep["stack_bytes"] == 0 and rep["registers"] <= 255, rep
-    assert rep["loops"][1]["ops"].get("CCTL.E.PF2", 0) == 4, rep["loops"][1]["ops"]

@@ -99,7 +99,7 @@ def compile_sm90(
     consts = paged_kernel_constexprs(
         config, tiles, group=group, head_dim=head_dim, page_size=16, fp8=kv == "fp8", split=split,
         fp32_dot=False, fused=split and config.fused_combine, wide=not config.narrow_offsets,
-        heads_first=config.heads_first, varlen_q=q_len > 1, l2_prefetch=True,
+        heads_first=config.heads_first, varlen_q=q_len > 1,
     )  # fmt: skip
     pointers = {"Q": f"*{q}", "Out": f"*{q}", "K": _PTR_TYPES[kv], "V": _PTR_TYPES[kv], "desc_k": _PTR_TYPES[kv],
                 "desc_v": _PTR_TYPES[kv]}  # fmt: skip

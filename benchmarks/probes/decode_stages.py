@@ -39,6 +39,12 @@ tables, fastest of two rounds):
   Adopting it means 128-column tiles for several-head programs and a split count that fills one wave
   of 2 programs per SM (4 at b32/32k: 256 programs for 264 slots), not the planner's ">= 2 programs
   per SM".
+* H200, L2 prefetches (a6ca8bf's ``l2_prefetch``: ``prefetch.global.L2`` of the program's own K/V
+  rows 1, 2 or 4 tiles ahead; ``l2_prefetch_pages``: one ``cp.async.bulk.prefetch.L2`` per page, from
+  the first head group's program), random / block-manager tables at the planner's split counts:
+  b32/32k planner 98.1 / 99.5, l2p1 87.6 / 88.6, l2p2 67.3 / 68.2, l2p4 55.6 / 55.8, pages 70-78;
+  b64/4k planner 99.7 / 100.7, l2p1 75.6 / 76.0, pages 40-41; b256/4k planner 100.3 / 101.4, l2p1
+  86.4 / 87.1, pages 52-55; b1/128k planner 98.2 / 98.7, l2p1 89.1 / 89.3, pages 42-44. Removed.
 * A register-carried next tile (loads issued after the math of the current tile, the loop not
   pipelined by Triton) compiled to 215 registers and 126 ``PRMT`` per tile re-packing the carried
   tiles before their shared-memory stores (offline, ``decode_sass.py``); not timed.
@@ -73,23 +79,15 @@ VARIANTS: dict[str, dict[str, int]] = {
     "n128h8": {"block_n": 128, "heads_per_program": 8},
     "n128h8w8": {"block_n": 128, "heads_per_program": 8, "num_warps": 8},
     "n128h4sf": {"block_n": 128, "heads_per_program": 4, "heads_first": False},
-    # The default tiles with L2 prefetches 1 / 2 / 4 tiles ahead, at the planner's split count.
-    "l2p1": {"l2_prefetch": 1},
-    "l2p2": {"l2_prefetch": 2},
-    "l2p4": {"l2_prefetch": 4},
-    # Whole pages (all KV heads) as one bulk prefetch each, from the first head group's program.
-    "l2p1pg": {"l2_prefetch": 1, "l2_prefetch_pages": True},
-    "l2p2pg": {"l2_prefetch": 2, "l2_prefetch_pages": True},
+    # The split combine fused into the attention kernel (the last split program merges), and
+    # cuDNN's own tiling: one KV head, 128 tokens per tile, no split where the grid fills a wave.
+    "fc": {"fused_combine": True},
+    "n128h1": {"block_n": 128, "heads_per_program": 1, "wide_block_n": 0},
 }
-PLANNER_SPLITS = (
-    "l2p1",
-    "l2p2",
-    "l2p4",
-    "l2p1pg",
-    "l2p2pg",
-)  # variants timed at the planner's count on every shape
+PLANNER_SPLITS = ("fc",)  # variants timed at the planner's count on every shape
 SPLITS: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {
     (32, 32768): {
+        "n128h1": (1, 2),
         "s5h4": (4, 6),
         "s5h2": (2, 3),
         "s5h1": (1,),
@@ -101,6 +99,7 @@ SPLITS: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {
         "n128h4sf": (4,),
     },
     (64, 4096): {
+        "n128h1": (1,),
         "s5h4": (2, 3),
         "s5h2": (1,),
         "s5h1": (1,),
@@ -109,6 +108,7 @@ SPLITS: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {
         "n128h2w8": (1,),
     },
     (256, 4096): {
+        "n128h1": (1,),
         "s5h4": (1,),
         "s5h2": (1,),
         "s5h1": (1,),
@@ -117,6 +117,7 @@ SPLITS: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {
         "n128h2w8": (1,),
     },
     (1, 131072): {
+        "n128h1": (32, 64),
         "s5h4": (64, 96),
         "s5h2": (32, 48),
         "s5h1": (16, 24, 32),
@@ -128,7 +129,7 @@ SPLITS: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {
     (16, 32768): {"n128h4": (8,), "n128h8": (16,), "n128h8w8": (16,), "n128h4sf": (8,)},
     (4, 131072): {"n128h4": (32,), "n128h8": (64,), "n128h8w8": (64,), "n128h4sf": (32,)},
     (1, 131072 * 2): {"n128h4": (128,)},
-    (2, 512): {"s5h4": (2,), "s5h1": (1,), "n128h4w8": (1,)},  # --tiny
+    (2, 512): {"s5h4": (2,), "s5h1": (1,), "n128h4w8": (1,), "n128h1": (1,)},  # --tiny
 }
 
 

@@ -452,8 +452,6 @@ def test_wide_tiles_for_several_head_programs(device: str) -> None:
     assert resolve_launch(auto, 3, 3, 1, 8, 2, bf16, 4096, cpu)[2] == 3
     with pytest.raises(ValueError, match="wide_block_n"):
         PagedAttnConfig(wide_block_n=96)
-    with pytest.raises(ValueError, match="l2_prefetch"):
-        PagedAttnConfig(l2_prefetch=-1)
 
     lens, nheads, nheads_k, d = [300, 17, 256], 8, 2, 32
     kc, vc, bt, sl = make_paged_cache(lens, 16, nheads_k, d)

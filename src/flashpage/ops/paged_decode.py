@@ -124,14 +124,6 @@ class PagedAttnConfig:
             when ``heads_per_program=0`` resolves to several KV heads per program; the planner's
             split count (``num_splits=0``) then fills one wave of two such programs per SM
             (:func:`resolve_launch`). cuDNN's decode tile: 32 KiB K and V tiles, two per SM.
-        l2_prefetch: ``0``, or how many tiles ahead of the one being read each program issues L2
-            prefetches (``prefetch.global.L2``, one per 128-byte line of its K and V rows) for a
-            paged cache: the page's address translation and its lines are then fetched while
-            earlier tiles are computed on, beyond the one tile of loads the software pipeline keeps
-            in flight. A hint with no effect on results; CUDA only (dropped under the interpreter).
-        l2_prefetch_pages: with ``l2_prefetch``, prefetch whole pages (every KV head) as one bulk
-            prefetch each (``cp.async.bulk.prefetch.L2``, sm_90+), issued by the program of the
-            first KV heads only, instead of each program's own rows line by line.
     """
 
     block_m: int = 0
@@ -150,8 +142,6 @@ class PagedAttnConfig:
     combine_warps: int = 4
     heads_per_program: int = 1
     wide_block_n: int = 0
-    l2_prefetch: int = 0
-    l2_prefetch_pages: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps"):
@@ -178,9 +168,6 @@ class PagedAttnConfig:
         hpp = self.heads_per_program
         if isinstance(hpp, bool) or not isinstance(hpp, int) or hpp < 0 or hpp & (hpp - 1):
             raise ValueError(f"PagedAttnConfig.heads_per_program must be 0 or a power of two, got {hpp!r}")
-        pf = self.l2_prefetch
-        if isinstance(pf, bool) or not isinstance(pf, int) or pf < 0:
-            raise ValueError(f"PagedAttnConfig.l2_prefetch must be a non-negative int, got {pf!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"PagedAttnConfig.num_stages must be a positive int, got {self.num_stages!r}")
         if not isinstance(self.maxnreg, int) or not (self.maxnreg == 0 or 32 <= self.maxnreg <= 255):
@@ -200,8 +187,6 @@ class PagedAttnConfig:
         extra += "" if self.heads_per_program == 1 else f"-h{self.heads_per_program or 'auto'}"
         # Once heads are decided (resolve_launch) block_n already says which tiles run.
         extra += f"-wide{self.wide_block_n}" if self.wide_block_n and self.heads_per_program == 0 else ""
-        extra += f"-l2p{self.l2_prefetch}" if self.l2_prefetch else ""
-        extra += "pg" if self.l2_prefetch and self.l2_prefetch_pages else ""
         return f"n{self.block_n}w{self.num_warps}s{self.num_stages}{extra}"
 
 
@@ -237,7 +222,16 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     b16/32k +0.4-0.6, b4/128k +0.4-0.5 points; ``flashpage bench decode`` (2026-12-06, one run)
     b32/32k 98.0 vs 97.9, MHA b8/32k 98.3 vs 98.1. Shapes where one head per program fills the GPU
     (b64/4k, b256/4k) or b1/128k (one head, 64 splits) are unchanged; there these tiles read less
-    (b64/4k 96.6 vs 97.9 at 2 splits).
+    (b64/4k 96.6 vs 97.9 at 2 splits). H200 (``flashpage bench decode`` at a6ca8bf, 2026-12-06,
+    ``benchmarks/results/decode-h200.json``): b32/32k 98.4 vs 98.1 (one head: 97.5), MHA b8/32k 99.0
+    vs 98.9 (97.4).
+
+    L2 prefetches of later tiles do not help: ``prefetch.global.L2`` of each program's own K and V
+    rows 1 / 2 / 4 tiles ahead of the tile being read (one per 128-byte line, 4 per thread) read
+    75-89 / 67-78 / 55-60% of cuDNN where the default read 98.1-100.3% (H200, 2026-12-06,
+    ``benchmarks/probes/decode_stages.py``, random and block-manager tables), and whole pages as one
+    bulk prefetch (``cp.async.bulk.prefetch.L2``) from the first head group's program 40-78%; the
+    code is in a6ca8bf (``PagedAttnConfig.l2_prefetch``), removed after.
 
     On sm_90 (d=128) bf16 compiles without spills; with 32-bit KV-row offsets (``narrow_offsets``,
     used where the caches allow) triton 3.6 gives 112 registers (88 with split-KV: 5 programs per
@@ -326,34 +320,6 @@ def _widen(x, WIDE: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Hint: bring the 128-byte line of each pointer into L2 (no result, no fault on a valid address)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _prefetch_rows(base, off, offs_d):
-    """L2-prefetch the rows of ``len(offs_d)`` elements at ``base + off`` (``off``: ``[BLOCK_N]``)."""
-    ROW: tl.constexpr = offs_d.shape[0]
-    LINE: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
-    LINES: tl.constexpr = ROW // LINE if ROW > LINE else 1
-    _prefetch_l2(base + off[:, None] + (tl.arange(0, LINES) * LINE)[None, :])
-
-
-@triton.jit
-def _prefetch_pages(ptrs, lead, nbytes):
-    """Hint: bring ``nbytes`` (a multiple of 16) from each pointer whose ``lead`` is set into L2, as
-    one bulk prefetch (sm_90+)."""
-    tl.inline_asm_elementwise(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $3;"
-        "\n\tmov.u32 $0, 0;\n\t}",
-        "=r,l,r,r", [ptrs, lead, nbytes], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _attn_kv_loop(
     acc,
     l_i,
@@ -401,8 +367,6 @@ def _attn_kv_loop(
     USE_TMA: tl.constexpr,
     PREFETCH_TABLE: tl.constexpr,
     WIDE: tl.constexpr,
-    L2_AHEAD: tl.constexpr,
-    L2_PAGES: tl.constexpr,
 ):
     """Online-softmax over the KV tokens ``[start, end)`` (``start`` a multiple of ``TOKN``).
 
@@ -448,28 +412,6 @@ def _attn_kv_loop(
         if HPP > 1:
             k_off += col_k
             v_off += col_v
-        if L2_AHEAD > 0 and PAGE_SIZE > 0 and EVEN_D:
-            # Rows L2_AHEAD tiles on; past the sequence end block 0's rows (in bounds, harmless).
-            j_pf = j + L2_AHEAD * TOKN
-            blk_pf = _widen(tl.load(bt_row + j_pf // PAGE_SIZE, mask=j_pf < ctx, other=0), WIDE)
-            pf_k = blk_pf * stride_kb + (j_pf % PAGE_SIZE) * stride_kt
-            pf_v = blk_pf * stride_vb + (j_pf % PAGE_SIZE) * stride_vt
-            if L2_PAGES:
-                # Whole pages (every KV head), once: by the first head group's program, from the
-                # column holding a page's first row of head 0.
-                lead = (j_pf % PAGE_SIZE == 0) & (kv_col == 0)
-                if HPP > 1:
-                    lead = lead & (col_k == 0)
-                lead_i = lead.to(tl.int32)
-                nbytes = (PAGE_SIZE * stride_kt * (K.dtype.element_ty.primitive_bitwidth // 8)).to(tl.int32)
-                _prefetch_pages(K + pf_k, lead_i, lead_i * 0 + nbytes)
-                _prefetch_pages(V + pf_v, lead_i, lead_i * 0 + nbytes)
-            else:
-                if HPP > 1:
-                    pf_k += col_k
-                    pf_v += col_v
-                _prefetch_rows(K, pf_k, offs_d)
-                _prefetch_rows(V, pf_v, offs_d)
         n_ok = j < ctx
         if HAS_KV_START:
             # Left padding may be slots never written (NaN garbage): not read, as past the end.
@@ -603,8 +545,6 @@ def _paged_attn_kernel(
     WIDE_OFFSETS: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
     PDL: tl.constexpr,
-    L2_AHEAD: tl.constexpr,
-    L2_PAGES: tl.constexpr,
 ):
     if PDL:
         # Lets the combine kernel (launched as a programmatic dependent) be scheduled as soon as
@@ -718,19 +658,19 @@ def _paged_attn_kernel(
         acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, s_lo, a_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
         stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
-        WIDE_OFFSETS, L2_AHEAD, L2_PAGES,
+        WIDE_OFFSETS,
     )  # fmt: skip
     acc, l_i, m_i = _attn_kv_loop(
         acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, a_end, b_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
         stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, False, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
-        WIDE_OFFSETS, L2_AHEAD, L2_PAGES,
+        WIDE_OFFSETS,
     )  # fmt: skip
     acc, l_i, m_i = _attn_kv_loop(
         acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, b_end, s_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
         window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
         stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
-        WIDE_OFFSETS, L2_AHEAD, L2_PAGES,
+        WIDE_OFFSETS,
     )  # fmt: skip
 
     nonempty = l_i > 0.0
@@ -1105,7 +1045,6 @@ def launch_paged_attention(
             fp32_dot=q.dtype == torch.float32 or upcast, upcast=upcast, varlen_q=cu_seqlens_q is not None,
             batch_idx=cache_batch_idx is not None, kv_start=kv_start is not None, softcap=softcap > 0, alibi=alibi_slopes is not None,
             write_lse=write_lse, fused=fused, use_tma=use_tma, wide=wide, heads_first=heads_first, pdl=pdl,
-            l2_prefetch=q.device.type == "cuda",
         )  # fmt: skip
         kwargs.update(num_warps=config.num_warps, num_stages=config.num_stages)
         if config.maxnreg and q.device.type == "cuda":
@@ -1161,15 +1100,13 @@ def paged_kernel_constexprs(
     wide: bool = False,
     heads_first: bool = False,
     pdl: bool = False,
-    l2_prefetch: bool = False,
 ) -> dict[str, Any]:
     """The compile-time arguments of :func:`_paged_attn_kernel` for one launch (by name).
 
     :func:`launch_paged_attention` derives the flags from its arguments; the offline codegen probe
     (``benchmarks/probes/decode_sass.py``) passes the decode case it compiles. ``page_size`` is
     ``0`` for a contiguous cache; ``fp32_dot``: ``tl.dot`` in IEEE fp32 (fp32 queries, or bf16
-    upcast under the interpreter) instead of tf32/bf16; ``l2_prefetch``: issue the config's L2
-    prefetches (CUDA only: inline PTX).
+    upcast under the interpreter) instead of tf32/bf16.
     """
     return {
         "G": group, "HPP": tiles.heads, "HEAD_DIM": head_dim, "BLOCK_D": max(16, next_pow2(head_dim)),
@@ -1178,8 +1115,6 @@ def paged_kernel_constexprs(
         "WRITE_LSE": write_lse, "DOT_PRECISION": "ieee" if fp32_dot else "tf32", "UPCAST": upcast,
         "EARLY_V": config.early_v, "FUSED_COMBINE": fused, "USE_TMA": use_tma,
         "PREFETCH_TABLE": config.prefetch_table, "WIDE_OFFSETS": wide, "HEADS_FIRST": heads_first, "PDL": pdl,
-        "L2_AHEAD": config.l2_prefetch if l2_prefetch and page_size else 0,
-        "L2_PAGES": config.l2_prefetch_pages,
     }  # fmt: skip
 
 
