@@ -13,6 +13,7 @@ from flashpage.ops.cache_write import fp8_kv_scales, reshape_and_cache
 from flashpage.ops.launch_cache import cdiv
 from flashpage.ops.paged_decode import (
     PagedAttnConfig,
+    check_paged_values,
     choose_num_splits,
     default_decode_config,
     default_num_sms,
@@ -484,6 +485,31 @@ def test_resolve_launch_is_remembered_and_still_refuses() -> None:
     for _ in range(2):
         with pytest.raises(ValueError, match="num_splits"):
             pd.resolve_launch(PagedAttnConfig(), 999, 1, 1, 32, 8, torch.bfloat16, 4096, cpu)
+
+
+def test_check_paged_values_one_readback() -> None:
+    """Each value check still names its argument after the checks were folded into one device read;
+    table entries past a sequence's used blocks are not checked (engines leave them as -1)."""
+    bt = torch.tensor([[0, 1, -1], [2, -1, -1]], dtype=torch.int32)
+    sl = torch.tensor([20, 16], dtype=torch.int32)
+    check_paged_values(bt, sl, 3, 16)
+    check_paged_values(bt, sl, 3, 16, min_seqlens=torch.tensor([1, 16]))
+    with pytest.raises(
+        ValueError, match=r"block_table\[1, 0\] = 2 points outside the cache \(num_blocks=2\)"
+    ):
+        check_paged_values(bt, sl, 2, 16)
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = -1"):  # a hole in a used range
+        check_paged_values(
+            torch.tensor([[0, -1, 1]], dtype=torch.int32), torch.tensor([40], dtype=torch.int32), 3, 16
+        )
+    with pytest.raises(ValueError, match="must be non-negative, got min -1"):
+        check_paged_values(bt, torch.tensor([-1, 3], dtype=torch.int32), 3, 16)
+    with pytest.raises(ValueError, match="max 49 is longer than the block table covers"):
+        check_paged_values(bt, torch.tensor([49, 3], dtype=torch.int32), 3, 16)
+    with pytest.raises(ValueError, match="cache_seqlens must be at least"):
+        check_paged_values(bt, sl, 3, 16, min_seqlens=torch.tensor([1, 17]))
+    with pytest.raises(ValueError, match="holds"):  # contiguous: block_size is the cache length
+        check_paged_values(None, sl, 2, 18)
 
 
 def test_decode_errors() -> None:

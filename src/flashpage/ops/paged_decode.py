@@ -1252,7 +1252,20 @@ def check_paged_values(
     if seqlens.numel() == 0:
         return
     lens = seqlens.long()
-    lo, hi = int(lens.min()), int(lens.max())
+    # Every statistic is reduced on the device and read back in one transfer: one host sync per
+    # call (a sync drains the queue, so each extra one costs a GPU round trip in an eager loop).
+    stats = [lens.min(), lens.max()]
+    if min_seqlens is not None:
+        stats.append((lens < min_seqlens.long()).any().long())
+    bad = None
+    if block_table is not None and block_table.shape[1]:
+        used = torch.arange(block_table.shape[1], device=lens.device).view(1, -1) < (
+            (lens + block_size - 1) // block_size
+        ).view(-1, 1)
+        bad = used & ((block_table < 0) | (block_table >= num_blocks))
+        stats.append(bad.any().long())
+    vals = torch.stack(stats).tolist()
+    lo, hi = vals[0], vals[1]
     if lo < 0:
         raise ValueError(f"{seqlens_name} must be non-negative, got min {lo}")
     cap = block_table.shape[1] * block_size if block_table is not None else block_size
@@ -1263,18 +1276,13 @@ def check_paged_values(
             else "the cache holds (seqlen_cache)"
         )
         raise ValueError(f"{seqlens_name} max {hi} is longer than {what} = {cap} tokens")
-    if min_seqlens is not None and bool((lens < min_seqlens.long()).any()):
+    if min_seqlens is not None and vals[2]:
         raise ValueError(f"{seqlens_name} must be at least each sequence's number of new queries")
-    if block_table is not None and block_table.shape[1]:
-        used = torch.arange(block_table.shape[1], device=lens.device).view(1, -1) < (
-            (lens + block_size - 1) // block_size
-        ).view(-1, 1)
-        bad = used & ((block_table < 0) | (block_table >= num_blocks))
-        if bool(bad.any()):
-            b, j = (int(x) for x in bad.nonzero()[0])
-            raise ValueError(
-                f"block_table[{b}, {j}] = {int(block_table[b, j])} points outside the cache (num_blocks={num_blocks})"
-            )
+    if bad is not None and vals[-1]:
+        b, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"block_table[{b}, {j}] = {int(block_table[b, j])} points outside the cache (num_blocks={num_blocks})"
+        )
 
 
 def resolve_num_splits(
