@@ -17,6 +17,13 @@ device sync) 272.8 / 308.8; SDPA 15.2 / 22.3; an empty Triton kernel 15.1 throug
 (own time, inflated by cProfile): ``launch_paged_attention`` 13 us, ``aligned`` 13.5, Triton's
 runner and launcher ~23, ``paged_tiles`` 10, the launch key's ``int_spec`` 6, ``_max_offset`` 3.5.
 
+The same probe on other machines' hosts (2026-12-06, evening; us per call at ctx 256 / 4096):
+H200 machine (a6ca8bf): ``run_decode`` 66.0 / 104.4, ``flash_attn_with_kvcache(validate=False)``
+124.8 / 194.7, with its value checks 420.9 / 316.4, SDPA 24.5 / 22.3, an empty Triton kernel 16.9 /
+12.1 (``JITFunction`` / ``CompiledKernel``); an H100 machine (0c27be0): 56.4 / 72.7, 83.2 / 122.2,
+314.9 / 476.3, 20.8 / 23.9, 15.4 / 11.0. Host time varies between machines of one kind by up to 2x:
+compare rows of one run only.
+
 Run: ``PYTHONPATH=src python benchmarks/probes/decode_host.py [out.json]`` on a GPU machine;
 ``DEV=cpu TRITON_INTERPRET=1 ... --tiny`` checks the script on a CPU.
 """

@@ -45,6 +45,13 @@ tables, fastest of two rounds):
   b32/32k planner 98.1 / 99.5, l2p1 87.6 / 88.6, l2p2 67.3 / 68.2, l2p4 55.6 / 55.8, pages 70-78;
   b64/4k planner 99.7 / 100.7, l2p1 75.6 / 76.0, pages 40-41; b256/4k planner 100.3 / 101.4, l2p1
   86.4 / 87.1, pages 52-55; b1/128k planner 98.2 / 98.7, l2p1 89.1 / 89.3, pages 42-44. Removed.
+* H100 (2026-12-06, evening, 0c27be0), random / block-manager tables: ``fc`` (the combine fused into
+  the attention kernel: the last split program merges) read b32/32k 98.1 / 98.7 (planner 98.1 /
+  98.7), b64/4k and b256/4k as the planner (one split: nothing to combine), but b1/128k 90.2 / 89.6
+  against 98.6 / 98.4 (64 splits: the last program of each head merges 64 partials after every
+  other has finished). ``n128h1`` (cuDNN's tiling: one KV head, 128-token tiles) b32/32k at 1 split
+  97.9 / 98.8, at 2 97.3 / 98.2; b64/4k 95.8 / 96.0 (planner 98.2 / 98.3); b256/4k 99.2 / 99.6 (99.3 /
+  99.6); b1/128k at 32 splits 98.6 / 99.1, at 64 98.1 / 98.5. Neither beats the planner.
 * A register-carried next tile (loads issued after the math of the current tile, the loop not
   pipelined by Triton) compiled to 215 registers and 126 ``PRMT`` per tile re-packing the carried
   tiles before their shared-memory stores (offline, ``decode_sass.py``); not timed.

@@ -188,7 +188,7 @@ def flash_attn_with_kvcache(
             seqlens_name="cache_seqlens + seqlen_new",
         )  # fmt: skip
         if cache_batch_idx is not None and batch:
-            lo, hi = torch.stack([cache_batch_idx.min(), cache_batch_idx.max()]).tolist()  # one read
+            lo, hi = int(cache_batch_idx.min()), int(cache_batch_idx.max())
             if lo < 0 or hi >= k_cache.shape[0]:
                 raise ValueError(f"cache_batch_idx values must be in [0, {k_cache.shape[0]}), got {lo}..{hi}")
         if cache_leftpad is not None and batch:
