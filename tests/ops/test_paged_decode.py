@@ -487,9 +487,9 @@ def test_resolve_launch_is_remembered_and_still_refuses() -> None:
             pd.resolve_launch(PagedAttnConfig(), 999, 1, 1, 32, 8, torch.bfloat16, 4096, cpu)
 
 
-def test_check_paged_values_one_readback() -> None:
-    """Each value check still names its argument after the checks were folded into one device read;
-    table entries past a sequence's used blocks are not checked (engines leave them as -1)."""
+def test_check_paged_values_messages() -> None:
+    """Each value check names its argument and the offending value; table entries past a sequence's
+    used blocks are not checked (engines leave them as -1)."""
     bt = torch.tensor([[0, 1, -1], [2, -1, -1]], dtype=torch.int32)
     sl = torch.tensor([20, 16], dtype=torch.int32)
     check_paged_values(bt, sl, 3, 16)

@@ -228,7 +228,7 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
 
     L2 prefetches of later tiles do not help: ``prefetch.global.L2`` of each program's own K and V
     rows 1 / 2 / 4 tiles ahead of the tile being read (one per 128-byte line, 4 per thread) read
-    75-89 / 67-78 / 55-60% of cuDNN where the default read 98.1-100.3% (H200, 2026-12-06,
+    75-89 / 67-78 / 55-60% of cuDNN where the default read 98.1-101.4% (H200, 2026-12-06,
     ``benchmarks/probes/decode_stages.py``, random and block-manager tables), and whole pages as one
     bulk prefetch (``cp.async.bulk.prefetch.L2``) from the first head group's program 40-78%; the
     code is in a6ca8bf (``PagedAttnConfig.l2_prefetch``), removed after.
