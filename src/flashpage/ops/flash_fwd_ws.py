@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashpage.ops.launch_cache import KERNEL_OPTIONS, LaunchCache, aligned, int_spec
+from flashpage.ops.launch_cache import KERNEL_OPTIONS, LaunchCache, aligned, int_specs
 
 __all__ = [
     "WS_BLOCK_M",
@@ -447,7 +447,7 @@ def launch_ws_fwd(
     key = (
         causal, tail is not None, d, stages, q.dtype, q.device.index, nheads, nheads_k, softmax_scale,
         q.stride(), k.stride(), v.stride(), out.stride(), aligned(q, k, v, out, lse, acc_ws, ml_ws),
-        tuple(int_spec(x) for x in ints),
+        int_specs(ints),
     )  # fmt: skip
 
     def build() -> tuple[list[Any], dict[str, Any]]:
