@@ -571,3 +571,75 @@ def test_multi_head_programs(
             assert_close_to_ref(out, ref, same)
             fin = torch.isfinite(ref_lse)
             torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "block_n", "warps", "opts"),
+    [
+        (16, 64, 4, {}),  # 16-token slices, one page each
+        (8, 32, 2, {"window_size": (20, 0), "softcap": 3.0}),  # slices span two pages
+        (32, 32, 2, {"alibi": True}),  # page >= tile: one scalar block id per tile
+        (16, 64, 4, {"early_v": True, "q_len": 3}),  # multi-query rows, one sees nothing
+    ],
+)
+def test_warp_slices(block_size: int, block_n: int, warps: int, opts: dict[str, object]) -> None:
+    """Tiles cut into one slice per warp (own softmax state, merged after the loop) equal the
+    reference and the unsliced kernel: masks, options, multi-query rows, splits, fp8 caches."""
+    lens, nheads, nheads_k, d = [2, 77, 48, 1], 8, 2, 32
+    kc, vc, bt, sl = make_paged_cache(lens, block_size, nheads_k, d)
+    q_len = int(opts.get("q_len", 1))  # type: ignore[call-overload]
+    q = torch.randn(len(lens), q_len, nheads, d)
+    kw: dict[str, object] = {k: v for k, v in opts.items() if k in ("window_size", "softcap")}
+    if opts.get("alibi"):
+        kw["alibi_slopes"] = torch.rand(nheads)
+    cfg = PagedAttnConfig(
+        block_n=block_n, num_warps=warps, warp_slices=True, early_v=bool(opts.get("early_v"))
+    )
+    ref, ref_lse, same = _refs(q, kc, vc, bt, sl, causal=True, **kw)
+    fin = torch.isfinite(ref_lse)
+    for splits in (1, 3):
+        out, lse = paged_decode(q, kc, vc, bt, sl, num_splits=splits, config=cfg, return_lse=True, **kw)  # type: ignore[arg-type]
+        assert_close_to_ref(out, ref, same)
+        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+        torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
+        plain = paged_decode(
+            q, kc, vc, bt, sl, num_splits=splits, config=replace(cfg, warp_slices=False), **kw
+        )  # type: ignore[arg-type]
+        torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
+    # fp8 caches (one scale per head) against the dequantised reference.
+    ks, vs = fp8_kv_scales(kc), fp8_kv_scales(vc)
+    kc8 = (kc / ks.view(1, 1, -1, 1)).to(torch.float8_e4m3fn)
+    vc8 = (vc / vs.view(1, 1, -1, 1)).to(torch.float8_e4m3fn)
+    kd, vd = kc8.float() * ks.view(1, 1, -1, 1), vc8.float() * vs.view(1, 1, -1, 1)
+    ref8, _, same8 = _refs(q, kd, vd, bt, sl, causal=True, **kw)
+    out8 = paged_decode(q, kc8, vc8, bt, sl, num_splits=2, config=cfg, k_scale=ks, v_scale=vs, **kw)  # type: ignore[arg-type]
+    assert_close_to_ref(out8, ref8, same8)
+
+
+def test_warp_slices_config_errors() -> None:
+    with pytest.raises(ValueError, match="warp_slices"):
+        PagedAttnConfig(block_n=32, num_warps=4, warp_slices=True)  # 8-token slices
+    with pytest.raises(ValueError, match="warp_slices"):
+        PagedAttnConfig(block_n=64, warp_slices=True, use_tma=True)
+    assert (
+        kv_heads_per_program(PagedAttnConfig(warp_slices=True, heads_per_program=0), 1, 4, 8, torch.bfloat16)
+        == 1
+    )
+
+
+def test_warp_slices_contiguous_cache_leftpad(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Warp slices over a contiguous cache (no page table) with left padding (keys before
+    ``cache_leftpad`` hidden): equal to the unsliced kernel."""
+    import flashpage.ops.kvcache as kvcache
+
+    batch, s_cache, nheads, nheads_k, d = 3, 80, 8, 2, 32
+    kc = torch.randn(batch, s_cache, nheads_k, d)
+    vc = torch.randn_like(kc)
+    q = torch.randn(batch, 1, nheads, d)
+    kw = {"cache_seqlens": torch.tensor([5, 80, 47], dtype=torch.int32),
+          "cache_leftpad": torch.tensor([0, 33, 10], dtype=torch.int32), "num_splits": 2}  # fmt: skip
+    plain = kvcache.flash_attn_with_kvcache(q, kc, vc, **kw)  # type: ignore[arg-type]
+    cfg = PagedAttnConfig(block_n=32, num_warps=2, warp_slices=True)
+    monkeypatch.setattr(kvcache, "kv_attention_config", lambda *a, **k: cfg)
+    sliced = kvcache.flash_attn_with_kvcache(q, kc, vc, **kw)  # type: ignore[arg-type]
+    torch.testing.assert_close(sliced, plain, atol=1e-5, rtol=1e-5)

@@ -124,6 +124,12 @@ class PagedAttnConfig:
             when ``heads_per_program=0`` resolves to several KV heads per program; the planner's
             split count (``num_splits=0``) then fills one wave of two such programs per SM
             (:func:`resolve_launch`). cuDNN's decode tile: 32 KiB K and V tiles, two per SM.
+        warp_slices: cut each ``block_n`` tile into ``num_warps`` slices of ``block_n // num_warps``
+            tokens, one per warp (a 3-D ``tl.dot`` whose batch is the slice), each slice with its own
+            softmax statistics and output accumulator, merged once after the KV loop: no tile needs a
+            cross-warp reduction or an exchange of ``P`` through shared memory, at the cost of one
+            ``(rows, d)`` accumulator per warp. One KV head per program, pointer loads (not with
+            ``use_tma`` or ``prefetch_table``); ``block_n // num_warps >= 16``.
     """
 
     block_m: int = 0
@@ -142,6 +148,7 @@ class PagedAttnConfig:
     combine_warps: int = 4
     heads_per_program: int = 1
     wide_block_n: int = 0
+    warp_slices: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps"):
@@ -172,6 +179,16 @@ class PagedAttnConfig:
             raise ValueError(f"PagedAttnConfig.num_stages must be a positive int, got {self.num_stages!r}")
         if not isinstance(self.maxnreg, int) or not (self.maxnreg == 0 or 32 <= self.maxnreg <= 255):
             raise ValueError(f"PagedAttnConfig.maxnreg must be 0 or in [32, 255], got {self.maxnreg!r}")
+        if self.warp_slices:
+            if self.use_tma or self.prefetch_table:
+                raise ValueError(
+                    "PagedAttnConfig.warp_slices cannot be combined with use_tma or prefetch_table"
+                )
+            if self.block_n // self.num_warps < 16:
+                raise ValueError(
+                    f"PagedAttnConfig.warp_slices needs block_n // num_warps >= 16 (tl.dot), got "
+                    f"{self.block_n} // {self.num_warps}"
+                )
 
     def short(self) -> str:
         """Compact label for benchmark tables."""
@@ -187,6 +204,7 @@ class PagedAttnConfig:
         extra += "" if self.heads_per_program == 1 else f"-h{self.heads_per_program or 'auto'}"
         # Once heads are decided (resolve_launch) block_n already says which tiles run.
         extra += f"-wide{self.wide_block_n}" if self.wide_block_n and self.heads_per_program == 0 else ""
+        extra += "-ws" if self.warp_slices else ""
         return f"n{self.block_n}w{self.num_warps}s{self.num_stages}{extra}"
 
 
@@ -295,17 +313,18 @@ def default_num_sms(device: torch.device) -> int:
 
 @triton.jit
 def _load_tile(ptrs, row_ok, d_ok, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
-    """Load a ``(rows, BLOCK_D)`` tile, masking rows and/or the padded head dim only when needed."""
+    """Load a ``(..., rows, BLOCK_D)`` tile, masking rows and/or the padded head dim only when needed
+    (``row_ok`` and ``d_ok`` already shaped to broadcast against ``ptrs``)."""
     if MASK_ROWS:
         if EVEN_D:
-            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+            x = tl.load(ptrs, mask=row_ok, other=0.0)
         else:
-            x = tl.load(ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            x = tl.load(ptrs, mask=row_ok & d_ok, other=0.0)
     else:
         if EVEN_D:
             x = tl.load(ptrs)
         else:
-            x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+            x = tl.load(ptrs, mask=d_ok, other=0.0)
     return x
 
 
@@ -423,12 +442,14 @@ def _attn_kv_loop(
             cache_row = (blk * PAGE_SIZE + start_n % PAGE_SIZE).to(tl.int32)
             k = desc_k.load([cache_row, kv_col])
         else:
-            k = _load_tile(K + k_off[:, None] + offs_d[None, :], n_ok, d_ok, MASK, EVEN_D)
+            k = _load_tile(K + k_off[:, None] + offs_d[None, :], n_ok[:, None], d_ok[None, :], MASK, EVEN_D)
         if EARLY_V:
             if TMA_TILE:
                 v = desc_v.load([cache_row, kv_col])
             else:
-                v = _load_tile(V + v_off[:, None] + offs_d[None, :], n_ok, d_ok, MASK, EVEN_D)
+                v = _load_tile(
+                    V + v_off[:, None] + offs_d[None, :], n_ok[:, None], d_ok[None, :], MASK, EVEN_D
+                )
         if CONVERT_KV:
             k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -467,12 +488,131 @@ def _attn_kv_loop(
             if TMA_TILE:
                 v = desc_v.load([cache_row, kv_col])
             else:
-                v = _load_tile(V + v_off[:, None] + offs_d[None, :], n_ok, d_ok, MASK, EVEN_D)
+                v = _load_tile(
+                    V + v_off[:, None] + offs_d[None, :], n_ok[:, None], d_ok[None, :], MASK, EVEN_D
+                )
         if CONVERT_KV:
             v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_kv_loop_slices(
+    acc,
+    l_i,
+    m_i,
+    q,
+    K,
+    V,
+    bt_row,
+    kv_row,
+    start,
+    end,
+    ctx,
+    kv_lo,
+    pos,
+    slopes,
+    qk_scale,
+    softcap_log2,
+    window_left,
+    window_right,
+    offs_d,
+    d_ok,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    BLOCK_N: tl.constexpr,
+    SLICES: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_KV_START: tl.constexpr,
+    CONVERT_KV: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EARLY_V: tl.constexpr,
+    WIDE: tl.constexpr,
+):
+    """:func:`_attn_kv_loop` for one KV head per program with each ``BLOCK_N`` tile cut into
+    ``SLICES`` slices of consecutive tokens (``PagedAttnConfig.warp_slices``).
+
+    ``q`` is ``(SLICES, BLOCK_M, BLOCK_D)`` (the query tile repeated), ``acc`` likewise and ``l_i``
+    / ``m_i`` ``(SLICES, BLOCK_M)``: slice ``s`` accumulates the tokens ``s * BLOCK_N // SLICES +
+    [0, BLOCK_N // SLICES)`` of every tile with its own softmax statistics. ``tl.dot`` over the
+    leading axis puts one slice per warp when ``SLICES == num_warps``, so no tile reduces across
+    warps; :func:`_merge_slices` combines the slices once.
+    """
+    TS: tl.constexpr = BLOCK_N // SLICES
+    offs_t = tl.arange(0, SLICES)[:, None] * TS + tl.arange(0, TS)[None, :]  # (SLICES, TS)
+    offs_d3 = offs_d[None, None, :]
+    d_ok3 = d_ok[None, None, :]
+    rows = pos[None, :, None]
+    for start_n in range(start, end, BLOCK_N):
+        j = start_n + offs_t
+        if PAGE_SIZE == 0:
+            k_off = kv_row * stride_kb + j.to(tl.int64) * stride_kt
+            v_off = kv_row * stride_vb + j.to(tl.int64) * stride_vt
+        else:
+            if PAGE_SIZE >= BLOCK_N:
+                blk = _widen(tl.load(bt_row + start_n // PAGE_SIZE), WIDE)
+            elif MASK:
+                blk = _widen(tl.load(bt_row + j // PAGE_SIZE, mask=j < ctx, other=0), WIDE)
+            else:
+                blk = _widen(tl.load(bt_row + j // PAGE_SIZE), WIDE)
+            in_page = j % PAGE_SIZE
+            k_off = blk * stride_kb + in_page * stride_kt
+            v_off = blk * stride_vb + in_page * stride_vt
+        n_ok = j < ctx
+        if HAS_KV_START:
+            n_ok = n_ok & (j >= kv_lo)
+        k = _load_tile(K + k_off[:, :, None] + offs_d3, n_ok[:, :, None], d_ok3, MASK, EVEN_D)
+        if EARLY_V:
+            v = _load_tile(V + v_off[:, :, None] + offs_d3, n_ok[:, :, None], d_ok3, MASK, EVEN_D)
+        if CONVERT_KV:
+            k = k.to(q.dtype)
+        s = tl.dot(q, tl.permute(k, (0, 2, 1)), input_precision=DOT_PRECISION)  # (SLICES, BLOCK_M, TS)
+        if SOFTCAP:
+            x = s * qk_scale
+            t = 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+            s = t * softcap_log2
+        else:
+            s = s * qk_scale
+        cols = j[:, None, :]
+        if HAS_ALIBI:
+            s = s - slopes[None, :, None] * tl.abs(rows - cols).to(tl.float32)
+        if MASK:
+            vis = (cols < ctx) & (cols >= rows - window_left) & (cols <= rows + window_right)
+            if HAS_KV_START:
+                vis = vis & (cols >= kv_lo)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 2))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 2))
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, :, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 2)
+        if not EARLY_V:
+            v = _load_tile(V + v_off[:, :, None] + offs_d3, n_ok[:, :, None], d_ok3, MASK, EVEN_D)
+        if CONVERT_KV:
+            v = v.to(q.dtype)
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _merge_slices(acc, l_i, m_i):
+    """Merge :func:`_attn_kv_loop_slices`' per-slice state over its leading axis: ``(BLOCK_M,
+    BLOCK_D)`` accumulator, ``(BLOCK_M,)`` sums and maxima as :func:`_attn_kv_loop` keeps them."""
+    m = tl.max(m_i, 0)
+    w = tl.exp2(m_i - tl.where(m == float("-inf"), 0.0, m)[None, :])  # 0 for slices that saw nothing
+    return tl.sum(acc * w[:, :, None], 0), tl.sum(l_i * w, 0), m
 
 
 # Per-step values (split count, query length) are not specialised on: no mid-run recompiles.
@@ -545,6 +685,7 @@ def _paged_attn_kernel(
     WIDE_OFFSETS: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
     PDL: tl.constexpr,
+    SLICES: tl.constexpr,
 ):
     if PDL:
         # Lets the combine kernel (launched as a programmatic dependent) be scheduled as soon as
@@ -595,7 +736,11 @@ def _paged_attn_kernel(
     tok = (q_start + qi).to(tl.int64)
 
     q = _load_tile(
-        Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], row_ok, d_ok, True, EVEN_D
+        Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        row_ok[:, None],
+        d_ok[None, :],
+        True,
+        EVEN_D,
     )
     if UPCAST:
         q = q.to(tl.float32)
@@ -651,27 +796,53 @@ def _paged_attn_kernel(
     col_k = col_h * stride_kh
     col_v = col_h * stride_vh
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _attn_kv_loop(
-        acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, s_lo, a_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
-        window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
-        stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
-        WIDE_OFFSETS,
-    )  # fmt: skip
-    acc, l_i, m_i = _attn_kv_loop(
-        acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, a_end, b_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
-        window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
-        stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, False, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
-        WIDE_OFFSETS,
-    )  # fmt: skip
-    acc, l_i, m_i = _attn_kv_loop(
-        acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, b_end, s_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
-        window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
-        stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
-        WIDE_OFFSETS,
-    )  # fmt: skip
+    if SLICES:
+        tl.static_assert(HPP == 1 and not USE_TMA, "warp slices: one KV head per program, pointer loads")
+        q3 = tl.broadcast_to(q[None, :, :], [SLICES, BLOCK_M, BLOCK_D])
+        acc3 = tl.zeros([SLICES, BLOCK_M, BLOCK_D], dtype=tl.float32)
+        l3 = tl.zeros([SLICES, BLOCK_M], dtype=tl.float32)
+        m3 = tl.full([SLICES, BLOCK_M], float("-inf"), dtype=tl.float32)
+        acc3, l3, m3 = _attn_kv_loop_slices(
+            acc3, l3, m3, q3, Kh, Vh, bt_row, kv_row, s_lo, a_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
+            window_left, window_right, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, SLICES,
+            PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V,
+            WIDE_OFFSETS,
+        )  # fmt: skip
+        acc3, l3, m3 = _attn_kv_loop_slices(
+            acc3, l3, m3, q3, Kh, Vh, bt_row, kv_row, a_end, b_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
+            window_left, window_right, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, SLICES,
+            PAGE_SIZE, False, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V,
+            WIDE_OFFSETS,
+        )  # fmt: skip
+        acc3, l3, m3 = _attn_kv_loop_slices(
+            acc3, l3, m3, q3, Kh, Vh, bt_row, kv_row, b_end, s_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
+            window_left, window_right, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, SLICES,
+            PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V,
+            WIDE_OFFSETS,
+        )  # fmt: skip
+        acc, l_i, m_i = _merge_slices(acc3, l3, m3)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        acc, l_i, m_i = _attn_kv_loop(
+            acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, s_lo, a_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
+            window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
+            stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
+            WIDE_OFFSETS,
+        )  # fmt: skip
+        acc, l_i, m_i = _attn_kv_loop(
+            acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, a_end, b_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
+            window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
+            stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, False, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
+            WIDE_OFFSETS,
+        )  # fmt: skip
+        acc, l_i, m_i = _attn_kv_loop(
+            acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, b_end, s_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
+            window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
+            stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
+            WIDE_OFFSETS,
+        )  # fmt: skip
 
     nonempty = l_i > 0.0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -838,8 +1009,8 @@ def kv_heads_per_program(
 ) -> int:
     """KV heads one program owns: ``config.heads_per_program`` (``0``: enough to fill 16 query rows),
     lowered to a power of two dividing ``nheads_k`` and at most ``config.block_n``; 1 for fp8 caches
-    (one dequantisation scale per program) and TMA tiles (one head's rows per box)."""
-    if is_fp8_dtype(kv_dtype) or config.use_tma:
+    (one dequantisation scale per program), TMA tiles (one head's rows per box) and warp slices."""
+    if is_fp8_dtype(kv_dtype) or config.use_tma or config.warp_slices:
         return 1
     want = config.heads_per_program or max(1, 16 // next_pow2(max(1, max_seqlen_q) * group))
     return pow2_divisor_at_most(nheads_k, min(want, config.block_n))
@@ -1115,6 +1286,7 @@ def paged_kernel_constexprs(
         "WRITE_LSE": write_lse, "DOT_PRECISION": "ieee" if fp32_dot else "tf32", "UPCAST": upcast,
         "EARLY_V": config.early_v, "FUSED_COMBINE": fused, "USE_TMA": use_tma,
         "PREFETCH_TABLE": config.prefetch_table, "WIDE_OFFSETS": wide, "HEADS_FIRST": heads_first, "PDL": pdl,
+        "SLICES": config.num_warps if config.warp_slices else 0,
     }  # fmt: skip
 
 

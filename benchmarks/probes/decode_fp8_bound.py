@@ -1,0 +1,285 @@
+"""Probe (not part of the library): how much of the fp8 decode kernel's gap to the 1.8x moonshot is
+the byte-wise read of V's transposed ``tl.dot`` operand (issue #5)?
+
+Triton widens fp8 in the dot-operand layout, so ``P @ V`` reads V from shared memory one byte per
+element (``LDS.U8``, 128 per thread per 128-token tile, ``benchmarks/probes/decode_sass.py``): the
+contraction runs over tokens, and tokens are V's outer dimension. Fixing that in the kernel means
+a transpose of 8-bit data in registers (PRMT), which only a hand-laid-out kernel (Gluon) can express.
+Before writing one, this probe bounds what it could buy: the same decode kernel reading V from a
+token-contiguous copy of the cache (``(num_blocks, nheads_k, d, page)``, a layout the library does
+not use), so the V operand loads as 4-byte words like K's.
+
+Kernel (``_fp8_decode``): one program per (KV head, split, sequence), the GQA group's 4 query heads
+padded to 16 rows, 128-token tiles gathered from the block table, K and V loaded together, fp16
+dots, mask-free (contexts are multiples of 128 x splits), partial outputs and LSEs per split
+(merged by torch only for the check; the timed rows are the kernel alone). Variants: ``std`` the
+library's V layout (calibrates this kernel against the library's fp8 kernel), ``vt`` V from the
+token-contiguous copy.
+
+Rows per shape (GQA 32/8, d=128, block size 16, random page order), timed in round-robin rounds:
+SDPA cuDNN on a contiguous bf16 cache, the library's bf16 and fp8 decode at the planner's split
+counts (with their combine), and the two probe kernels at the fp8 planner's split count.
+``ratio_bf16`` is the library bf16 row's time over the row's time (sequences x tokens / s).
+
+Run on the GPU: ``cd benchmarks/probes && PYTHONPATH=../../src:. python decode_fp8_bound.py [out.json]``;
+``DEV=cpu TRITON_INTERPRET=1 ... --tiny`` checks the script on a CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from decode_page_order import SHAPE, run_probe, table_case, tables, time_rows
+from torch import Tensor
+
+from flashpage.ops.cache_write import fp8_kv_scales
+from flashpage.ops.launch_cache import KERNEL_OPTIONS
+from flashpage.ops.paged_decode import default_decode_config
+from flashpage.ops.paged_plan import plan_decode, run_decode
+
+BLOCK_N = 128
+# Library configurations timed beside the defaults (fields replaced in default_decode_config).
+LIB_VARIANTS: dict[str, dict[str, Any]] = {
+    "ws": {"warp_slices": True, "block_n": 128},
+    "ws3": {"warp_slices": True, "block_n": 128, "num_stages": 3},
+    "wsr168": {"warp_slices": True, "block_n": 128, "maxnreg": 168},
+}
+# (V layout, warps, stages, maxnreg) of the probe kernel's rows.
+PROBE_VARIANTS = (
+    ("std", 4, 2, 0), ("vt", 4, 2, 0), ("vt", 8, 2, 0), ("wbstd", 4, 2, 0), ("wbvt", 4, 2, 0), ("wbstd", 4, 3, 0),
+    ("wbvt", 4, 3, 0), ("wbvt", 4, 2, 168), ("wbstd", 8, 2, 0),
+)  # fmt: skip
+
+
+@triton.jit
+def _fp8_decode(Q, K, V, VT, MidO, MidLse, BT, qk_scale, v_scale, ctx, num_splits,
+                stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vtb, stride_vth, stride_btb,
+                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                PAGE: tl.constexpr, VT_MODE: tl.constexpr):  # fmt: skip
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_m < G
+    head = kvh * G + offs_m
+    q = tl.load(
+        Q + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0
+    )
+    q = q.to(tl.float16)
+    per = ctx // num_splits
+    lo = split * per
+    bt = BT + b * stride_btb
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(lo, lo + per, BLOCK_N):
+        j = s + offs_n
+        blk = tl.load(bt + j // PAGE)
+        k = tl.load(
+            K + (blk * stride_kb + (j % PAGE) * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :]
+        )
+        if VT_MODE:
+            col = tl.max_contiguous(tl.multiple_of(blk * stride_vtb + j % PAGE, PAGE), PAGE)
+            vt = tl.load(VT + kvh * stride_vth + offs_d[:, None] * PAGE + col[None, :])
+            v = tl.trans(vt)
+        else:
+            v = tl.load(
+                V + (blk * stride_kb + (j % PAGE) * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :]
+            )
+        qk = tl.dot(q, tl.trans(k.to(tl.float16))) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+        m_i = m_new
+    o = acc / l_i[:, None] * v_scale
+    nsp = tl.num_programs(1)
+    base = (b * tl.num_programs(0) * G + head) * nsp + split
+    tl.store(MidO + base[:, None] * D + offs_d[None, :], o, mask=row_ok[:, None])
+    tl.store(MidLse + base, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _fp8_decode_wb(Q, K, V, VT, MidO, MidLse, BT, qk_scale, v_scale, ctx, num_splits,
+                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vtb, stride_vth, stride_btb,
+                   G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                   PAGE: tl.constexpr, VT_MODE: tl.constexpr, NW: tl.constexpr):  # fmt: skip
+    """``_fp8_decode`` with the tile cut into ``NW`` slices of ``BLOCK_N // NW`` tokens, one per
+    warp (a 3-D ``tl.dot`` whose batch is the slice): each slice keeps its own softmax statistics
+    and accumulator, so no tile needs a cross-warp reduction or an exchange of P through shared
+    memory; the slices merge once, after the loop."""
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    TN: tl.constexpr = BLOCK_N // NW
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_d3 = offs_d[None, None, :]
+    tok3 = tl.arange(0, NW)[:, None] * TN + tl.arange(0, TN)[None, :]  # (NW, TN) token of the tile
+    row_ok = offs_m < G
+    head = kvh * G + offs_m
+    q = tl.load(
+        Q + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0
+    )
+    q3 = tl.broadcast_to(q.to(tl.float16)[None, :, :], [NW, BLOCK_M, D])
+    per = ctx // num_splits
+    lo = split * per
+    bt = BT + b * stride_btb
+    acc = tl.zeros([NW, BLOCK_M, D], dtype=tl.float32)
+    l_i = tl.zeros([NW, BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([NW, BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(lo, lo + per, BLOCK_N):
+        j = s + tok3
+        blk = tl.load(bt + j // PAGE)
+        row = blk * stride_kb + (j % PAGE) * stride_kt + kvh * stride_kh
+        k = tl.load(K + row[:, :, None] + offs_d3)
+        if VT_MODE:
+            col = tl.max_contiguous(tl.multiple_of(blk * stride_vtb + j % PAGE, [1, PAGE]), [1, PAGE])
+            v = tl.permute(tl.load(VT + kvh * stride_vth + offs_d3 * PAGE + col[:, :, None]), (0, 1, 2))
+        else:
+            v = tl.load(V + row[:, :, None] + offs_d3)
+        qk = tl.dot(q3, tl.permute(k.to(tl.float16), (0, 2, 1))) * qk_scale  # (NW, BLOCK_M, TN)
+        m_new = tl.maximum(m_i, tl.max(qk, 2))
+        p = tl.exp2(qk - m_new[:, :, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 2)
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+        m_i = m_new
+    m = tl.max(m_i, 0)
+    w = tl.exp2(m_i - m[None, :])
+    lsum = tl.sum(l_i * w, 0)
+    o = tl.sum(acc * w[:, :, None], 0) / lsum[:, None] * v_scale
+    nsp = tl.num_programs(1)
+    base = (b * tl.num_programs(0) * G + head) * nsp + split
+    tl.store(MidO + base[:, None] * D + offs_d[None, :], o, mask=row_ok[:, None])
+    tl.store(MidLse + base, m + tl.log2(lsum), mask=row_ok)
+
+
+def fp8_decode(
+    q: Tensor, k8: Tensor, v8: Tensor, vt8: Tensor, bt: Tensor, ctx: int, splits: int,
+    k_scale: float, v_scale: float, mid: tuple[Tensor, Tensor], mode: str, warps: int = 4, stages: int = 2, maxnreg: int = 0,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Partial outputs ``(b, h, splits, d)`` float32 and base-2 LSEs ``(b, h, splits)`` of a decode of
+    ``q (b, h, d)`` over fp8 caches (one scale per cache here) with ``splits`` equal splits; ``mode``
+    ``[wb]std|vt``: V from ``v8`` or from its token-contiguous copy ``vt8``, ``wb`` one slice per warp."""
+    b, h, d = q.shape
+    hk, page = k8.shape[2], k8.shape[1]
+    assert ctx % (splits * BLOCK_N) == 0, (ctx, splits)
+    mo, ml = mid
+    qk_scale = d**-0.5 * k_scale * 1.4426950408889634
+    wb = mode.startswith("wb")
+    kernel, extra = (_fp8_decode_wb, {"NW": warps}) if wb else (_fp8_decode, {})
+    if maxnreg:
+        extra["maxnreg"] = maxnreg
+    kernel[(hk, splits, b)](
+        q, k8, v8, vt8, mo, ml, bt, qk_scale, v_scale, ctx, splits,
+        q.stride(0), q.stride(1), k8.stride(0), k8.stride(1), k8.stride(2), vt8.stride(0), vt8.stride(1),
+        bt.stride(0), G=h // hk, BLOCK_M=16, BLOCK_N=BLOCK_N, D=d, PAGE=page, VT_MODE=mode.endswith("vt"),
+        num_warps=warps, num_stages=stages, **extra, **KERNEL_OPTIONS,
+    )  # fmt: skip
+    return mo, ml
+
+
+def merge(mo: Tensor, ml: Tensor) -> Tensor:
+    """``(b, h, d)`` output of the partials ``mo (b, h, s, d)`` with base-2 LSEs ``ml (b, h, s)``."""
+    w = torch.softmax(ml * 0.6931471805599453, dim=-1)
+    return (mo * w[..., None]).sum(2)
+
+
+def probe_shape(
+    b: int,
+    ctx: int,
+    split_list: tuple[int, ...],
+    dev: torch.device,
+    gen: torch.Generator,
+    tiny: bool,
+    bench: Callable[[Callable[[], Any]], float],
+) -> list[dict[str, Any]]:
+    """Rows of one ``(batch, ctx)`` shape (``split_list`` unused: the fp8 planner's count is used)."""
+    del split_list, tiny
+    h, hk, d, bs = SHAPE
+    dt, f8 = torch.bfloat16, torch.float8_e4m3fn
+    kc = torch.randn(b * ctx // bs, bs, hk, d, device=dev, dtype=dt)
+    vc = torch.randn_like(kc)
+    seqlens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn(b, h, d, device=dev, dtype=dt)
+    ks, vs = fp8_kv_scales(kc), fp8_kv_scales(vc)
+    # One scale for the whole cache in the probe kernel: the library's per-head scales set to their max.
+    ks, vs = ks.max().expand(hk).contiguous(), vs.max().expand(hk).contiguous()
+    k8 = (kc / ks[0]).clamp(-448, 448).to(f8)
+    v8 = (vc / vs[0]).clamp(-448, 448).to(f8)
+    vt8 = v8.permute(0, 2, 3, 1).contiguous()  # (num_blocks, hk, d, page): tokens contiguous
+    rows: list[tuple[dict[str, Any], Callable[[], Any]]] = []
+    t = tables(b, ctx, bs, gen)["rand"]
+    bt, ref, _ = table_case(q, kc, vc, t, rows)  # adds the cudnn row (bf16, contiguous) on CUDA
+    kd = (k8[t.to(dev)].to(dt) * ks[0].to(dt)).reshape(b, ctx, hk, d).transpose(1, 2)
+    vd = (v8[t.to(dev)].to(dt) * vs[0].to(dt)).reshape(b, ctx, hk, d).transpose(1, 2)
+    ref8 = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, enable_gqa=True)[:, :, 0]
+    del kd, vd
+
+    def lib(kv: str, variant: str = "default") -> tuple[dict[str, Any], Callable[[], Any]]:
+        fp8 = kv == "fp8"
+        cfg = default_decode_config(f8 if fp8 else dt, d)
+        if variant != "default":
+            cfg = replace(cfg, **LIB_VARIANTS[variant])
+        plan = plan_decode(b, h, hk, d, block_size=bs, max_seqlen_k=ctx, q_dtype=dt, device=dev,
+                           kv_dtype=f8 if fp8 else None, config=cfg)  # fmt: skip
+        if fp8:
+            fn = lambda: run_decode(plan, q, k8, v8, bt, seqlens, k_scale=ks, v_scale=vs)
+            err = (fn().float() - ref8.float()).abs().max().item()
+            assert err < 5e-2, ("lib fp8", variant, err)
+        else:
+            fn = lambda: run_decode(plan, q, kc, vc, bt, seqlens)
+            err = (fn().float() - ref).abs().max().item()
+            assert err < 2e-2, ("lib bf16", variant, err)
+        return {"impl": "lib", "kv": kv, "variant": variant, "splits": plan.num_splits}, fn
+
+    rows.append(lib("bf16"))
+    rows.append(lib("fp8"))
+    splits = rows[-1][0]["splits"]
+    for kv, variant in (("fp8", "ws"), ("fp8", "ws3"), ("fp8", "wsr168"), ("bf16", "ws")):
+        rows.append(lib(kv, variant))
+    while ctx % (splits * BLOCK_N):
+        splits //= 2
+    mid = (
+        torch.empty(b, h, splits, d, device=dev, dtype=torch.float32),
+        torch.empty(b, h, splits, device=dev, dtype=torch.float32),
+    )
+    for mode, warps, stages, nreg in PROBE_VARIANTS:
+        args = (q, k8, v8, vt8, bt, ctx, splits, ks[0].item(), vs[0].item(), mid, mode, warps, stages, nreg)
+        err = (merge(*fp8_decode(*args)) - ref8.float()).abs().max().item()
+        assert err < 5e-2, (mode, err)
+        label = {
+            "impl": "probe",
+            "kv": "fp8",
+            "variant": f"{mode}w{warps}s{stages}" + (f"r{nreg}" if nreg else ""),
+            "splits": splits,
+        }
+        rows.append((label,
+                     lambda args=args: fp8_decode(*args)))  # fmt: skip
+    kv_bytes = 2 * b * ctx * hk * d * 2  # bf16 bytes: TB/s columns in bf16-equivalent units
+    out = time_rows(rows, b, ctx, kv_bytes, bench, False)
+    t_bf16 = next((r["ms"] for r in out if r.get("impl") == "lib" and r.get("kv") == "bf16"), None)
+    for r in out:
+        if t_bf16:
+            r["ratio_bf16"] = round(t_bf16 / r["ms"], 3)
+    print([(r.get("impl"), r.get("kv"), r.get("variant"), r.get("ratio_bf16")) for r in out], flush=True)
+    return out
+
+
+def main() -> None:
+    run_probe(
+        probe_shape, [(32, 32768, ()), (64, 4096, ()), (256, 4096, ()), (1, 131072, ())], "decode_fp8_bound"
+    )
+
+
+if __name__ == "__main__":
+    main()
