@@ -46,6 +46,7 @@ BLOCK_N = 128
 # Library configurations timed beside the defaults (fields replaced in default_decode_config).
 LIB_VARIANTS: dict[str, dict[str, Any]] = {
     "ws": {"warp_slices": True, "block_n": 128},
+    "nows": {"warp_slices": False},
     "ws3": {"warp_slices": True, "block_n": 128, "num_stages": 3},
     "wsr168": {"warp_slices": True, "block_n": 128, "maxnreg": 168},
 }
@@ -245,7 +246,7 @@ def probe_shape(
     rows.append(lib("bf16"))
     rows.append(lib("fp8"))
     splits = rows[-1][0]["splits"]
-    for kv, variant in (("fp8", "ws"), ("fp8", "ws3"), ("fp8", "wsr168"), ("bf16", "ws")):
+    for kv, variant in (("fp8", "nows"), ("fp8", "ws"), ("fp8", "ws3"), ("fp8", "wsr168"), ("bf16", "ws")):
         rows.append(lib(kv, variant))
     while ctx % (splits * BLOCK_N):
         splits //= 2
