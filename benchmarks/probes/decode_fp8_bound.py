@@ -52,8 +52,7 @@ LIB_VARIANTS: dict[str, dict[str, Any]] = {
 }
 # (V layout, warps, stages, maxnreg) of the probe kernel's rows.
 PROBE_VARIANTS = (
-    ("std", 4, 2, 0), ("vt", 4, 2, 0), ("vt", 8, 2, 0), ("wbstd", 4, 2, 0), ("wbvt", 4, 2, 0), ("wbstd", 4, 3, 0),
-    ("wbvt", 4, 3, 0), ("wbvt", 4, 2, 168), ("wbstd", 8, 2, 0),
+    ("std", 4, 2, 0), ("vt", 4, 2, 0), ("wbstd", 4, 2, 0), ("wbvt", 4, 2, 0), ("wbvt", 4, 2, 168),
 )  # fmt: skip
 
 
