@@ -20,6 +20,7 @@ from flashpage.ops.paged_decode import (
     kv_heads_per_program,
     paged_decode,
     paged_grid,
+    paged_kernel_constexprs,
     paged_tiles,
     wide_offsets,
 )
@@ -625,6 +626,15 @@ def test_warp_slices_config_errors() -> None:
         kv_heads_per_program(PagedAttnConfig(warp_slices=True, heads_per_program=0), 1, 4, 8, torch.bfloat16)
         == 1
     )
+    # Decode tiles (16 rows) are sliced; multi-query row tiles, where each warp would hold every
+    # row's accumulator, are not.
+    cfg = PagedAttnConfig(block_n=128, warp_slices=True)
+    for q_len, slices in ((1, 4), (4, 4), (5, 0)):
+        tiles = paged_tiles(cfg, q_len, 32, 8, torch.bfloat16)
+        consts = paged_kernel_constexprs(
+            cfg, tiles, group=4, head_dim=128, page_size=16, fp8=False, split=False, fp32_dot=False
+        )
+        assert consts["SLICES"] == slices, (q_len, tiles.block_m)
 
 
 def test_warp_slices_contiguous_cache_leftpad(monkeypatch: pytest.MonkeyPatch) -> None:

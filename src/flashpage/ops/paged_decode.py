@@ -129,7 +129,9 @@ class PagedAttnConfig:
             softmax statistics and output accumulator, merged once after the KV loop: no tile needs a
             cross-warp reduction or an exchange of ``P`` through shared memory, at the cost of one
             ``(rows, d)`` accumulator per warp. One KV head per program, pointer loads (not with
-            ``use_tma`` or ``prefetch_table``); ``block_n // num_warps >= 16``.
+            ``use_tma`` or ``prefetch_table``); ``block_n // num_warps >= 16``. Applied to tiles of at
+            most :data:`WARP_SLICE_ROWS` query rows (decode): each warp holds every row's accumulator,
+            so larger row tiles (multi-query rows) run unsliced.
     """
 
     block_m: int = 0
@@ -988,6 +990,9 @@ _COMBINE_SLOTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13)
 
 
 _MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions
+# Query rows up to which PagedAttnConfig.warp_slices applies: one warp's (rows, d) fp32 accumulator
+# is 64 registers per thread at 16 rows and d=128.
+WARP_SLICE_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -1291,7 +1296,7 @@ def paged_kernel_constexprs(
         "WRITE_LSE": write_lse, "DOT_PRECISION": "ieee" if fp32_dot else "tf32", "UPCAST": upcast,
         "EARLY_V": config.early_v, "FUSED_COMBINE": fused, "USE_TMA": use_tma,
         "PREFETCH_TABLE": config.prefetch_table, "WIDE_OFFSETS": wide, "HEADS_FIRST": heads_first, "PDL": pdl,
-        "SLICES": config.num_warps if config.warp_slices else 0,
+        "SLICES": config.num_warps if config.warp_slices and tiles.block_m <= WARP_SLICE_ROWS else 0,
     }  # fmt: skip
 
 
