@@ -1,5 +1,6 @@
-"""Probe (not part of the library): how much of the fp8 decode kernel's gap to the 1.8x moonshot is
-the byte-wise read of V's transposed ``tl.dot`` operand (issue #5)?
+"""Probe (not part of the library): what limits the fp8 decode kernel short of the 1.8x moonshot
+(issue #5): the byte-wise read of V's transposed ``tl.dot`` operand, or the cross-warp traffic of
+every tile?
 
 Triton widens fp8 in the dot-operand layout, so ``P @ V`` reads V from shared memory one byte per
 element (``LDS.U8``, 128 per thread per 128-token tile, ``benchmarks/probes/decode_sass.py``): the
@@ -7,22 +8,47 @@ contraction runs over tokens, and tokens are V's outer dimension. Fixing that in
 a transpose of 8-bit data in registers (PRMT), which only a hand-laid-out kernel (Gluon) can express.
 Before writing one, this probe bounds what it could buy: the same decode kernel reading V from a
 token-contiguous copy of the cache (``(num_blocks, nheads_k, d, page)``, a layout the library does
-not use), so the V operand loads as 4-byte words like K's.
+not use), so the V operand loads as words like K's.
 
-Kernel (``_fp8_decode``): one program per (KV head, split, sequence), the GQA group's 4 query heads
-padded to 16 rows, 128-token tiles gathered from the block table, K and V loaded together, fp16
-dots, mask-free (contexts are multiples of 128 x splits), partial outputs and LSEs per split
-(merged by torch only for the check; the timed rows are the kernel alone). Variants: ``std`` the
-library's V layout (calibrates this kernel against the library's fp8 kernel), ``vt`` V from the
-token-contiguous copy.
+The other suspect: with 16 query rows the 4 warps of a program split each tile's keys for ``Q K^T``
+and the head dim for ``P V``, so every tile reduces the row maxima and sums across warps and passes
+``P`` through shared memory (10 barriers per tile). ``_fp8_decode_wb`` gives each warp its own
+slice of the tile's tokens (a 3-D ``tl.dot`` whose batch is the warp) with its own softmax state,
+merged once after the loop; the library's ``PagedAttnConfig.warp_slices`` is the same idea.
+
+Kernels (``_fp8_decode``, ``_fp8_decode_wb``): one program per (KV head, split, sequence), the GQA
+group's 4 query heads padded to 16 rows, 128-token tiles gathered from the block table, K and V
+loaded together, fp16 dots, mask-free (contexts are multiples of 128 x splits), partial outputs and
+LSEs per split (merged by torch only for the check; the timed rows are the kernel alone). Modes:
+``std`` the library's V layout (calibrates the probe kernel against the library's), ``vt`` V from
+the token-contiguous copy, ``wb`` prefix one slice per warp.
+
+Offline sm_90 SASS (triton 3.9, the mask-free loop per thread per 128-token tile, 2026-12-06):
+
+| kernel | registers | instructions | LDS.U8 | IMAD.MOV | BAR.SYNC |
+|---|---|---|---|---|---|
+| library fp8 default | 254 | 840 | 128 | 152 | 10 |
+| probe std | 227 | 835 | 128 | 131 | 10 |
+| probe vt | 113 | 611 | 0 | 121 | 10 |
+| probe wbstd | 168 | 702 | 128 | 1 | 4 |
+| probe wbvt | 176 | 488 | 0 | 0 | 4 |
+| library ``warp_slices`` | 176 | 718 | 128 | 3 | 4 |
+
+(``vt`` reads V with ``LDSM`` and still converts every element, 128 ``F2FP`` per tile; the
+``IMAD.MOV`` of the unsliced kernels copy the ``Q`` and ``P`` operands reloaded from shared memory
+into ``HMMA`` register quads.) Not yet timed: no device machine could be started in the session that
+wrote it (2026-12-06, late evening).
 
 Rows per shape (GQA 32/8, d=128, block size 16, random page order), timed in round-robin rounds:
-SDPA cuDNN on a contiguous bf16 cache, the library's bf16 and fp8 decode at the planner's split
-counts (with their combine), and the two probe kernels at the fp8 planner's split count.
-``ratio_bf16`` is the library bf16 row's time over the row's time (sequences x tokens / s).
+SDPA cuDNN on a contiguous bf16 cache; the library's bf16 and fp8 decode at the planner's split
+counts (with their combine), fp8 with and without ``warp_slices`` (also 3 stages, and a 168-register
+cap for three programs per SM), bf16 with ``warp_slices``; the probe kernels at the fp8 planner's
+split count. ``ratio_bf16`` is the library bf16 row's time over the row's time (sequences x tokens
+/ s).
 
-Run on the GPU: ``cd benchmarks/probes && PYTHONPATH=../../src:. python decode_fp8_bound.py [out.json]``;
-``DEV=cpu TRITON_INTERPRET=1 ... --tiny`` checks the script on a CPU.
+Run on the GPU: ``cd benchmarks/probes && PYTHONPATH=../../src:. python decode_fp8_bound.py [out.json]``
+(``SHAPES=32:32768:0,...`` for fewer shapes); ``DEV=cpu TRITON_INTERPRET=1 ... --tiny`` checks the
+script on a CPU.
 """
 
 from __future__ import annotations

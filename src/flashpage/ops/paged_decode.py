@@ -131,7 +131,11 @@ class PagedAttnConfig:
             ``(rows, d)`` accumulator per warp. One KV head per program, pointer loads (not with
             ``use_tma`` or ``prefetch_table``); ``block_n // num_warps >= 16``. Applied to tiles of at
             most :data:`WARP_SLICE_ROWS` query rows (decode): each warp holds every row's accumulator,
-            so larger row tiles (multi-query rows) run unsliced.
+            so larger row tiles (multi-query rows) run unsliced. Off by default: not timed yet. Offline
+            (sm_90, triton 3.9, fp8 decode tiles, the mask-free loop per thread per 128-token tile) it
+            takes 718 instructions instead of 840, 4 barriers instead of 10 and 176 registers
+            instead of 254 (``benchmarks/probes/decode_fp8_bound.py`` times it against the default,
+            and ``flashpage bench decode --variants`` flips it).
     """
 
     block_m: int = 0
@@ -292,12 +296,7 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     split_opts = {"heads_first": True, "pdl": True, "combine_block_d": 32, "combine_warps": 1}
     if is_fp8_dtype(kv_dtype) and head_dim <= 128:
         return PagedAttnConfig(
-            block_n=128,
-            num_warps=4,
-            num_stages=2 if paged else 3,
-            early_v=True,
-            warp_slices=True,
-            **split_opts,
+            block_n=128, num_warps=4, num_stages=2 if paged else 3, early_v=True, **split_opts
         )
     if head_dim > 128:
         return PagedAttnConfig(block_n=32, num_warps=4, num_stages=2, **split_opts)
