@@ -345,6 +345,75 @@ def _widen(x, WIDE: tl.constexpr):
 
 
 @triton.jit
+def _block_ids(bt_row, start_n, j, ctx, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASK: tl.constexpr,
+               WIDE: tl.constexpr):  # fmt: skip
+    """Cache block of each token ``j`` (any shape) of the tile at ``start_n``: one scalar table load
+    when the tile lies in one page; past the sequence end (``MASK`` tiles) block 0."""
+    if PAGE_SIZE >= BLOCK_N:
+        blk = _widen(tl.load(bt_row + start_n // PAGE_SIZE), WIDE)
+    elif MASK:
+        blk = _widen(tl.load(bt_row + j // PAGE_SIZE, mask=j < ctx, other=0), WIDE)
+    else:
+        blk = _widen(tl.load(bt_row + j // PAGE_SIZE), WIDE)
+    return blk
+
+
+@triton.jit
+def _kv_offsets(blk, j, kv_row, stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE: tl.constexpr):
+    """K and V element offsets of the cache rows of tokens ``j`` (any shape): in their blocks
+    ``blk`` (paged), or in the sequence's row ``kv_row`` of a contiguous cache (``PAGE_SIZE == 0``,
+    ``blk`` unused)."""
+    if PAGE_SIZE == 0:
+        k_off = kv_row * stride_kb + j.to(tl.int64) * stride_kt
+        v_off = kv_row * stride_vb + j.to(tl.int64) * stride_vt
+    else:
+        in_page = j % PAGE_SIZE
+        k_off = blk * stride_kb + in_page * stride_kt
+        v_off = blk * stride_vb + in_page * stride_vt
+    return k_off, v_off
+
+
+@triton.jit
+def _scores(s, rows, cols, slopes, qk_scale, softcap_log2, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Raw ``Q K^T`` scores to base-2 logits: scale or softcap, then the ALiBi bias of query
+    positions ``rows`` and key positions ``cols`` (both broadcast against ``s``, as ``slopes``)."""
+    if SOFTCAP:
+        # softcap * tanh(x), tanh through exp2 (portable: no libdevice), in base-2 units.
+        x = s * qk_scale
+        t = 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+        s = t * softcap_log2
+    else:
+        s = s * qk_scale
+    if HAS_ALIBI:
+        s = s - slopes * tl.abs(rows - cols).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _visible(rows, cols, ctx, kv_lo, window_left, window_right, HAS_KV_START: tl.constexpr):
+    """Which (query position ``rows``, key ``cols``) pairs a masked tile keeps: keys before the
+    sequence end, inside the window and, with ``HAS_KV_START``, from the first key ``kv_lo`` on."""
+    vis = (cols < ctx) & (cols >= rows - window_left) & (cols <= rows + window_right)
+    if HAS_KV_START:
+        vis = vis & (cols >= kv_lo)
+    return vis
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i, MASK: tl.constexpr, AXIS: tl.constexpr):
+    """One online-softmax step over the keys on ``AXIS`` of the logits ``s``: ``(p, alpha, l_i,
+    m_new)``; with ``MASK`` rows that have seen no key yet keep a zero reference."""
+    m_new = tl.maximum(m_i, tl.max(s, AXIS))
+    if MASK:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    else:
+        m_use = m_new
+    p = tl.exp2(s - tl.expand_dims(m_use, AXIS))
+    alpha = tl.exp2(m_i - m_use)
+    return p, alpha, l_i * alpha + tl.sum(p, AXIS), m_new
+
+
+@triton.jit
 def _attn_kv_loop(
     acc,
     l_i,
@@ -414,26 +483,14 @@ def _attn_kv_loop(
     for start_n in range(start, end, TOKN):
         j = start_n + offs_t
         # Token -> cache row. Paged: block id from the table (one scalar when the tile lies in a page).
-        if PAGE_SIZE == 0:
-            k_off = kv_row * stride_kb + j.to(tl.int64) * stride_kt
-            v_off = kv_row * stride_vb + j.to(tl.int64) * stride_vt
-        elif PAGE_SIZE >= BLOCK_N:
-            blk = _widen(tl.load(bt_row + start_n // PAGE_SIZE), WIDE)
-            in_page = j % PAGE_SIZE
-            k_off = blk * stride_kb + in_page * stride_kt
-            v_off = blk * stride_vb + in_page * stride_vt
-        else:
-            if PREFETCH_TABLE:
-                blk = _widen(blk_next, WIDE)
-                j_next = j + TOKN
-                blk_next = tl.load(bt_row + j_next // PAGE_SIZE, mask=j_next < ctx, other=0)
-            elif MASK:
-                blk = _widen(tl.load(bt_row + j // PAGE_SIZE, mask=j < ctx, other=0), WIDE)
-            else:
-                blk = _widen(tl.load(bt_row + j // PAGE_SIZE), WIDE)
-            in_page = j % PAGE_SIZE
-            k_off = blk * stride_kb + in_page * stride_kt
-            v_off = blk * stride_vb + in_page * stride_vt
+        blk = 0
+        if GATHER and PREFETCH_TABLE:
+            blk = _widen(blk_next, WIDE)
+            j_next = j + TOKN
+            blk_next = tl.load(bt_row + j_next // PAGE_SIZE, mask=j_next < ctx, other=0)
+        elif PAGE_SIZE > 0:
+            blk = _block_ids(bt_row, start_n, j, ctx, BLOCK_N, PAGE_SIZE, MASK, WIDE)
+        k_off, v_off = _kv_offsets(blk, j, kv_row, stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE)
         if HPP > 1:
             k_off += col_k
             v_off += col_v
@@ -459,37 +516,15 @@ def _attn_kv_loop(
         if CONVERT_KV:
             k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if SOFTCAP:
-            # softcap * tanh(x), tanh through exp2 (portable: no libdevice), in base-2 units.
-            x = s * qk_scale
-            t = 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
-            s = t * softcap_log2
-        else:
-            s = s * qk_scale
-        if HAS_ALIBI:
-            dist = tl.abs(pos[:, None] - j[None, :]).to(tl.float32)
-            s = s - slopes[:, None] * dist
+        s = _scores(s, pos[:, None], j[None, :], slopes[:, None], qk_scale, softcap_log2, SOFTCAP, HAS_ALIBI)
         if MASK:
-            vis = (
-                (j[None, :] < ctx)
-                & (j[None, :] >= pos[:, None] - window_left)
-                & (j[None, :] <= pos[:, None] + window_right)
-            )
+            vis = _visible(pos[:, None], j[None, :], ctx, kv_lo, window_left, window_right, HAS_KV_START)
             if HPP > 1:
                 vis = vis & same_head
-            if HAS_KV_START:
-                vis = vis & (j[None, :] >= kv_lo)
             s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        else:
-            if HPP > 1:
-                s = tl.where(same_head, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = m_new
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        elif HPP > 1:
+            s = tl.where(same_head, s, float("-inf"))
+        p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASK, 1)
         if not EARLY_V:
             if TMA_TILE:
                 v = desc_v.load([cache_row, kv_col])
@@ -559,19 +594,10 @@ def _attn_kv_loop_slices(
     rows = pos[None, :, None]
     for start_n in range(start, end, BLOCK_N):
         j = start_n + offs_t
-        if PAGE_SIZE == 0:
-            k_off = kv_row * stride_kb + j.to(tl.int64) * stride_kt
-            v_off = kv_row * stride_vb + j.to(tl.int64) * stride_vt
-        else:
-            if PAGE_SIZE >= BLOCK_N:
-                blk = _widen(tl.load(bt_row + start_n // PAGE_SIZE), WIDE)
-            elif MASK:
-                blk = _widen(tl.load(bt_row + j // PAGE_SIZE, mask=j < ctx, other=0), WIDE)
-            else:
-                blk = _widen(tl.load(bt_row + j // PAGE_SIZE), WIDE)
-            in_page = j % PAGE_SIZE
-            k_off = blk * stride_kb + in_page * stride_kt
-            v_off = blk * stride_vb + in_page * stride_vt
+        blk = 0
+        if PAGE_SIZE > 0:
+            blk = _block_ids(bt_row, start_n, j, ctx, BLOCK_N, PAGE_SIZE, MASK, WIDE)
+        k_off, v_off = _kv_offsets(blk, j, kv_row, stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE)
         n_ok = j < ctx
         if HAS_KV_START:
             n_ok = n_ok & (j >= kv_lo)
@@ -581,28 +607,13 @@ def _attn_kv_loop_slices(
         if CONVERT_KV:
             k = k.to(q.dtype)
         s = tl.dot(q, tl.permute(k, (0, 2, 1)), input_precision=DOT_PRECISION)  # (SLICES, BLOCK_M, TS)
-        if SOFTCAP:
-            x = s * qk_scale
-            t = 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
-            s = t * softcap_log2
-        else:
-            s = s * qk_scale
         cols = j[:, None, :]
-        if HAS_ALIBI:
-            s = s - slopes[None, :, None] * tl.abs(rows - cols).to(tl.float32)
+        s = _scores(s, rows, cols, slopes[None, :, None], qk_scale, softcap_log2, SOFTCAP, HAS_ALIBI)
         if MASK:
-            vis = (cols < ctx) & (cols >= rows - window_left) & (cols <= rows + window_right)
-            if HAS_KV_START:
-                vis = vis & (cols >= kv_lo)
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 2))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 2))
-            m_use = m_new
-        p = tl.exp2(s - m_use[:, :, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 2)
+            s = tl.where(
+                _visible(rows, cols, ctx, kv_lo, window_left, window_right, HAS_KV_START), s, float("-inf")
+            )
+        p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASK, 2)
         if not EARLY_V:
             v = _load_tile(V + v_off[:, :, None] + offs_d3, n_ok[:, :, None], d_ok3, MASK, EVEN_D)
         if CONVERT_KV:
