@@ -813,53 +813,43 @@ def _paged_attn_kernel(
     col_k = col_h * stride_kh
     col_v = col_h * stride_vh
 
+    # Three passes over [s_lo, s_hi): masked head tiles, mask-free tiles, masked tail tiles.
     if SLICES:
         tl.static_assert(HPP == 1 and not USE_TMA, "warp slices: one KV head per program, pointer loads")
         q3 = tl.broadcast_to(q[None, :, :], [SLICES, BLOCK_M, BLOCK_D])
         acc3 = tl.zeros([SLICES, BLOCK_M, BLOCK_D], dtype=tl.float32)
         l3 = tl.zeros([SLICES, BLOCK_M], dtype=tl.float32)
         m3 = tl.full([SLICES, BLOCK_M], float("-inf"), dtype=tl.float32)
-        acc3, l3, m3 = _attn_kv_loop_slices(
-            acc3, l3, m3, q3, Kh, Vh, bt_row, kv_row, s_lo, a_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
-            window_left, window_right, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, SLICES,
-            PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V,
-            WIDE_OFFSETS,
-        )  # fmt: skip
-        acc3, l3, m3 = _attn_kv_loop_slices(
-            acc3, l3, m3, q3, Kh, Vh, bt_row, kv_row, a_end, b_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
-            window_left, window_right, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, SLICES,
-            PAGE_SIZE, False, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V,
-            WIDE_OFFSETS,
-        )  # fmt: skip
-        acc3, l3, m3 = _attn_kv_loop_slices(
-            acc3, l3, m3, q3, Kh, Vh, bt_row, kv_row, b_end, s_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
-            window_left, window_right, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, SLICES,
-            PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V,
-            WIDE_OFFSETS,
-        )  # fmt: skip
-        acc, l_i, m_i = _merge_slices(acc3, l3, m3)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        acc, l_i, m_i = _attn_kv_loop(
-            acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, s_lo, a_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
-            window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
-            stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
-            WIDE_OFFSETS,
-        )  # fmt: skip
-        acc, l_i, m_i = _attn_kv_loop(
-            acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, a_end, b_end, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
-            window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
-            stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, False, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
-            WIDE_OFFSETS,
-        )  # fmt: skip
-        acc, l_i, m_i = _attn_kv_loop(
-            acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, b_end, s_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
-            window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
-            stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, True, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
-            WIDE_OFFSETS,
-        )  # fmt: skip
+    for phase in tl.static_range(3):
+        if phase == 0:
+            t_lo = s_lo
+            t_hi = a_end
+        elif phase == 1:
+            t_lo = a_end
+            t_hi = b_end
+        else:
+            t_lo = b_end
+            t_hi = s_hi
+        if SLICES:
+            acc3, l3, m3 = _attn_kv_loop_slices(
+                acc3, l3, m3, q3, Kh, Vh, bt_row, kv_row, t_lo, t_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
+                window_left, window_right, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, SLICES,
+                PAGE_SIZE, phase != 1, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION,
+                EARLY_V, WIDE_OFFSETS,
+            )  # fmt: skip
+        else:
+            acc, l_i, m_i = _attn_kv_loop(
+                acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, t_lo, t_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
+                window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
+                stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, phase != 1, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
+                WIDE_OFFSETS,
+            )  # fmt: skip
+    if SLICES:
+        acc, l_i, m_i = _merge_slices(acc3, l3, m3)
 
     nonempty = l_i > 0.0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
