@@ -81,10 +81,15 @@ from flashpage.ops.paged_plan import plan_decode, run_decode
 BLOCK_N = 128
 # Library configurations timed beside the defaults (fields replaced in default_decode_config).
 LIB_VARIANTS: dict[str, dict[str, Any]] = {
-    "nows": {"warp_slices": False},
+    "nows": {"warp_slices": False, "v_pairs": False, "maxnreg": 0},
     "ws": {"warp_slices": True, "block_n": 128},
     "ws3": {"warp_slices": True, "block_n": 128, "num_stages": 3},
     "wsr168": {"warp_slices": True, "block_n": 128, "maxnreg": 168},
+    "vp": {"warp_slices": False, "v_pairs": True},
+    "vpr168": {"warp_slices": False, "v_pairs": True, "maxnreg": 168},
+    "vpr128": {"warp_slices": False, "v_pairs": True, "maxnreg": 128},
+    "wsvp": {"warp_slices": True, "v_pairs": True},
+    "wsvpr168": {"warp_slices": True, "v_pairs": True, "maxnreg": 168},
 }
 # (V layout, warps, stages, maxnreg) of the probe kernel's rows.
 PROBE_VARIANTS = (
@@ -353,9 +358,11 @@ def probe_shape(
 
     # fp8 with warp slices explicitly off and on, whichever the default is (the planner's split
     # count is the same: fp8 programs own one KV head either way).
-    for kv, variant in (("bf16", "default"), ("fp8", "nows"), ("fp8", "ws"), ("fp8", "ws3"), ("fp8", "wsr168"),
-                        ("bf16", "ws")):  # fmt: skip
-        rows.append(lib(kv, variant))
+    for kv, variant in (("bf16", "default"), *(("fp8", v) for v in LIB_VARIANTS), ("bf16", "ws")):
+        try:  # a variant that fails to build or to match is reported, not timed
+            rows.append(lib(kv, variant))
+        except Exception as exc:
+            print(f"b{b}/{ctx} lib {kv} {variant} skipped: {type(exc).__name__}: {exc}"[:400], flush=True)
     splits = next(r["splits"] for r, _ in rows if r.get("variant") == "nows")
     while ctx % (splits * BLOCK_N):
         splits //= 2

@@ -22,6 +22,7 @@ from flashpage.ops.paged_decode import (
     paged_grid,
     paged_kernel_constexprs,
     paged_tiles,
+    v_pairs_apply,
     wide_offsets,
 )
 from flashpage.ops.paged_plan import plan_decode, run_decode
@@ -635,6 +636,81 @@ def test_warp_slices_config_errors() -> None:
             cfg, tiles, group=4, head_dim=128, page_size=16, fp8=False, split=False, fp32_dot=False
         )
         assert consts["SLICES"] == slices, (q_len, tiles.block_m)
+
+
+def _fp8_caches(kc: Tensor, vc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """e4m3 copies of ``kc``/``vc`` with per-head scales, and their dequantised values."""
+    ks, vs = fp8_kv_scales(kc), fp8_kv_scales(vc)
+    kc8 = (kc / ks.view(1, 1, -1, 1)).to(torch.float8_e4m3fn)
+    vc8 = (vc / vs.view(1, 1, -1, 1)).to(torch.float8_e4m3fn)
+    return kc8, vc8, ks, vs, kc8.float() * ks.view(1, 1, -1, 1), vc8.float() * vs.view(1, 1, -1, 1)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "block_n", "warps", "opts"),
+    [
+        (16, 64, 4, {}),
+        (8, 32, 2, {"window_size": (20, 0), "softcap": 3.0, "warp_slices": True}),  # slices over 2 pages
+        (32, 32, 2, {"alibi": True, "early_v": True}),  # page >= tile
+        (16, 64, 4, {"q_len": 3, "warp_slices": True}),  # multi-query rows (12 of 16), one sees nothing
+    ],
+)
+def test_v_pairs(block_size: int, block_n: int, warps: int, opts: dict[str, object]) -> None:
+    """fp8 V read as int16 byte pairs (even / odd columns accumulated apart, interleaved at the
+    end): equal to the reference over the dequantised caches and to the byte-wise kernel, with
+    masks, options, warp slices, multi-query rows and splits."""
+    lens, nheads, nheads_k, d = [2, 77, 48, 1], 8, 2, 32
+    kc, vc, bt, sl = make_paged_cache(lens, block_size, nheads_k, d)
+    kc8, vc8, ks, vs, kd, vd = _fp8_caches(kc, vc)
+    q_len = int(opts.get("q_len", 1))  # type: ignore[call-overload]
+    q = torch.randn(len(lens), q_len, nheads, d)
+    kw: dict[str, object] = {k: v for k, v in opts.items() if k in ("window_size", "softcap")}
+    if opts.get("alibi"):
+        kw["alibi_slopes"] = torch.rand(nheads)
+    cfg = PagedAttnConfig(
+        block_n=block_n, num_warps=warps, v_pairs=True, warp_slices=bool(opts.get("warp_slices")),
+        early_v=bool(opts.get("early_v")),
+    )  # fmt: skip
+    tiles = paged_tiles(cfg, q_len, nheads, nheads_k, vc8.dtype)
+    assert v_pairs_apply(cfg, tiles, vc8, d, use_tma=False)
+    ref, ref_lse, same = _refs(q, kd, vd, bt, sl, causal=True, **kw)
+    fin = torch.isfinite(ref_lse)
+    for splits in (1, 3):
+        out, lse = paged_decode(q, kc8, vc8, bt, sl, num_splits=splits, config=cfg, k_scale=ks, v_scale=vs,
+                                return_lse=True, **kw)  # type: ignore[arg-type]  # fmt: skip
+        assert_close_to_ref(out, ref, same)
+        torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
+        plain = paged_decode(q, kc8, vc8, bt, sl, num_splits=splits, config=replace(cfg, v_pairs=False),
+                             k_scale=ks, v_scale=vs, **kw)  # type: ignore[arg-type]  # fmt: skip
+        torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_v_pairs_applies_where_it_can() -> None:
+    """Pairs only for fp8 decode tiles of a power-of-two head dim, pointer loads and a V cache
+    viewable as int16; elsewhere the launch reads V as before (no error)."""
+    cfg = PagedAttnConfig(block_n=64, v_pairs=True)
+    v8 = torch.zeros(4, 16, 2, 32, dtype=torch.float8_e4m3fn)
+    dec = paged_tiles(cfg, 1, 8, 2, v8.dtype)
+    assert v_pairs_apply(cfg, dec, v8, 32, use_tma=False)
+    assert not v_pairs_apply(replace(cfg, v_pairs=False), dec, v8, 32, use_tma=False)
+    assert not v_pairs_apply(cfg, dec, v8.to(torch.bfloat16), 32, use_tma=False)
+    assert not v_pairs_apply(cfg, dec, v8, 32, use_tma=True)
+    assert not v_pairs_apply(cfg, paged_tiles(cfg, 5, 8, 2, v8.dtype), v8, 32, use_tma=False)  # 32 rows
+    assert not v_pairs_apply(
+        cfg, dec, torch.zeros(4, 16, 2, 40, dtype=torch.float8_e4m3fn), 40, use_tma=False
+    )
+    odd = torch.zeros(4 * 16 * 2 * 32 + 1, dtype=torch.float8_e4m3fn)[1:].view(4, 16, 2, 32)
+    assert not v_pairs_apply(cfg, dec, odd, 32, use_tma=False)
+    # A cache the pairs cannot view still decodes (byte-wise) and matches.
+    lens, nheads_k, d = [9, 40], 2, 32
+    kc, vc, bt, sl = make_paged_cache(lens, 16, nheads_k, d)
+    kc8, vc8, ks, vs, kd, vd = _fp8_caches(kc, vc)
+    v_odd = torch.empty(vc8.numel() + 1, dtype=vc8.dtype)[1:].view(vc8.shape)
+    v_odd.copy_(vc8)
+    q = torch.randn(len(lens), 1, 8, d)
+    out = paged_decode(q, kc8, v_odd, bt, sl, config=cfg, k_scale=ks, v_scale=vs)
+    ref, _, same = _refs(q, kd, vd, bt, sl, causal=True)
+    assert_close_to_ref(out, ref, same)
 
 
 def test_warp_slices_contiguous_cache_leftpad(monkeypatch: pytest.MonkeyPatch) -> None:

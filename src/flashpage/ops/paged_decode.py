@@ -136,6 +136,19 @@ class PagedAttnConfig:
             takes 718 instructions instead of 840, 4 barriers instead of 10 and 176 registers
             instead of 254 (``benchmarks/probes/decode_fp8_bound.py`` times it against the default,
             and ``flashpage bench decode --variants`` flips it).
+        v_pairs: fp8 caches: read V's tile as int16 pairs of bytes (columns ``2c`` and ``2c + 1`` of a
+            token) and compute ``P V`` as two dots, over V's even and over its odd columns. The pairs
+            reach ``tl.dot``'s operand layout through Triton's transposing 16-bit shared-memory load
+            (``ldmatrix.trans``), where each register holds one pair of two consecutive tokens; two
+            byte permutes and two conversions per register (inline PTX, :func:`_split_pairs`) then
+            give the even and odd columns in fp16. Without it Triton widens fp8 in the operand
+            layout and reads V from shared memory one byte per element. Applied to decode tiles (at
+            most :data:`WARP_SLICE_ROWS` query rows) of fp8 caches whose head dim is a power of two,
+            loaded by pointers (not ``use_tma``), and whose V cache can be viewed as int16 (even
+            offset and strides); otherwise ignored. Under the Triton interpreter (no PTX) integer
+            ops split the pairs. Offline (sm_90, triton 3.9, 128-token tiles, the mask-free loop per
+            thread per tile): 604 instructions and 116 registers instead of 835 and 227 in the
+            probe kernel of ``benchmarks/probes/decode_fp8_bound.py``.
     """
 
     block_m: int = 0
@@ -155,6 +168,7 @@ class PagedAttnConfig:
     heads_per_program: int = 1
     wide_block_n: int = 0
     warp_slices: bool = False
+    v_pairs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps"):
@@ -211,6 +225,7 @@ class PagedAttnConfig:
         # Once heads are decided (resolve_launch) block_n already says which tiles run.
         extra += f"-wide{self.wide_block_n}" if self.wide_block_n and self.heads_per_program == 0 else ""
         extra += "-ws" if self.warp_slices else ""
+        extra += "-vp" if self.v_pairs else ""
         return f"n{self.block_n}w{self.num_warps}s{self.num_stages}{extra}"
 
 
@@ -413,9 +428,39 @@ def _softmax_step(s, m_i, l_i, MASK: tl.constexpr, AXIS: tl.constexpr):
     return p, alpha, l_i * alpha + tl.sum(p, AXIS), m_new
 
 
+# e4m3 byte pairs to fp16 (PagedAttnConfig.v_pairs). Each int16 element holds two e4m3 bytes;
+# the low bytes of the two elements packed in one register go to one conversion of a pair, the
+# high bytes to another. Elementwise whatever two elements Triton packs together.
+_PAIR_ASM = tl.constexpr("""{
+.reg .b32 e, o;
+.reg .b16 el, eh, ol, oh;
+prmt.b32 e, $2, 0, 0x0020;
+prmt.b32 o, $2, 0, 0x0031;
+mov.b32 {el, eh}, e;
+mov.b32 {ol, oh}, o;
+cvt.rn.f16x2.e4m3x2 $0, el;
+cvt.rn.f16x2.e4m3x2 $1, ol;
+}""")
+
+
+@triton.jit
+def _split_pairs(v16, ASM: tl.constexpr):
+    """fp16 tensors of the low and of the high e4m3 byte of each int16 element of ``v16``: V's even
+    and odd columns. ``ASM=False`` (the interpreter, which runs no PTX): the same by integer ops."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _PAIR_ASM, "=r,=r,r", [v16], dtype=(tl.float16, tl.float16), is_pure=True, pack=2
+        )
+    else:
+        u = v16.to(tl.uint16, bitcast=True)
+        lo = (u & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return lo, (u >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
 @triton.jit
 def _attn_kv_loop(
     acc,
+    acc2,
     l_i,
     m_i,
     q,
@@ -441,6 +486,7 @@ def _attn_kv_loop(
     col_v,
     same_head,
     offs_d,
+    offs_v,
     d_ok,
     stride_kb,
     stride_kt,
@@ -461,6 +507,8 @@ def _attn_kv_loop(
     USE_TMA: tl.constexpr,
     PREFETCH_TABLE: tl.constexpr,
     WIDE: tl.constexpr,
+    V_PAIRS: tl.constexpr,
+    PAIR_ASM: tl.constexpr,
 ):
     """Online-softmax over the KV tokens ``[start, end)`` (``start`` a multiple of ``TOKN``).
 
@@ -469,7 +517,9 @@ def _attn_kv_loop(
     token's heads are one contiguous run and ``same_head`` masks the pairs of a row and a column of
     different heads. ``K``/``V`` already point at this program's first KV head. ``MASK`` tiles apply
     the sequence end, the sequence's first key ``kv_lo`` (``HAS_KV_START``) and the causal/window
-    bounds per row; mask-free tiles are fully visible to every row by construction.
+    bounds per row; mask-free tiles are fully visible to every row by construction. ``V_PAIRS``:
+    ``V`` is the cache seen as int16 byte pairs (``offs_v`` its pair columns), ``acc`` / ``acc2``
+    accumulate V's even / odd columns; otherwise ``acc2`` is carried unchanged.
     """
     # A tile of BLOCK_N columns within one page takes one scalar block id; otherwise one per column.
     # (Not "within TOKN tokens": with 4 heads per program and 16-token tiles of 16-token pages the
@@ -511,7 +561,7 @@ def _attn_kv_loop(
                 v = desc_v.load([cache_row, kv_col])
             else:
                 v = _load_tile(
-                    V + v_off[:, None] + offs_d[None, :], n_ok[:, None], d_ok[None, :], MASK, EVEN_D
+                    V + v_off[:, None] + offs_v[None, :], n_ok[:, None], d_ok[None, :], MASK, EVEN_D
                 )
         if CONVERT_KV:
             k = k.to(q.dtype)
@@ -530,18 +580,23 @@ def _attn_kv_loop(
                 v = desc_v.load([cache_row, kv_col])
             else:
                 v = _load_tile(
-                    V + v_off[:, None] + offs_d[None, :], n_ok[:, None], d_ok[None, :], MASK, EVEN_D
+                    V + v_off[:, None] + offs_v[None, :], n_ok[:, None], d_ok[None, :], MASK, EVEN_D
                 )
+        if V_PAIRS:
+            v, v2 = _split_pairs(v, PAIR_ASM)
+            v2 = v2.to(q.dtype)
+            acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v2.dtype), v2, input_precision=DOT_PRECISION)
         if CONVERT_KV:
             v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, acc2, l_i, m_i
 
 
 @triton.jit
 def _attn_kv_loop_slices(
     acc,
+    acc2,
     l_i,
     m_i,
     q,
@@ -560,6 +615,7 @@ def _attn_kv_loop_slices(
     window_left,
     window_right,
     offs_d,
+    offs_v,
     d_ok,
     stride_kb,
     stride_kt,
@@ -577,6 +633,8 @@ def _attn_kv_loop_slices(
     DOT_PRECISION: tl.constexpr,
     EARLY_V: tl.constexpr,
     WIDE: tl.constexpr,
+    V_PAIRS: tl.constexpr,
+    PAIR_ASM: tl.constexpr,
 ):
     """:func:`_attn_kv_loop` for one KV head per program with each ``BLOCK_N`` tile cut into
     ``SLICES`` slices of consecutive tokens (``PagedAttnConfig.warp_slices``).
@@ -585,11 +643,12 @@ def _attn_kv_loop_slices(
     / ``m_i`` ``(SLICES, BLOCK_M)``: slice ``s`` accumulates the tokens ``s * BLOCK_N // SLICES +
     [0, BLOCK_N // SLICES)`` of every tile with its own softmax statistics. ``tl.dot`` over the
     leading axis puts one slice per warp when ``SLICES == num_warps``, so no tile reduces across
-    warps; :func:`_merge_slices` combines the slices once.
+    warps; :func:`_merge_slices` combines the slices once. ``V_PAIRS`` as in :func:`_attn_kv_loop`.
     """
     TS: tl.constexpr = BLOCK_N // SLICES
     offs_t = tl.arange(0, SLICES)[:, None] * TS + tl.arange(0, TS)[None, :]  # (SLICES, TS)
     offs_d3 = offs_d[None, None, :]
+    offs_v3 = offs_v[None, None, :]
     d_ok3 = d_ok[None, None, :]
     rows = pos[None, :, None]
     for start_n in range(start, end, BLOCK_N):
@@ -603,7 +662,7 @@ def _attn_kv_loop_slices(
             n_ok = n_ok & (j >= kv_lo)
         k = _load_tile(K + k_off[:, :, None] + offs_d3, n_ok[:, :, None], d_ok3, MASK, EVEN_D)
         if EARLY_V:
-            v = _load_tile(V + v_off[:, :, None] + offs_d3, n_ok[:, :, None], d_ok3, MASK, EVEN_D)
+            v = _load_tile(V + v_off[:, :, None] + offs_v3, n_ok[:, :, None], d_ok3, MASK, EVEN_D)
         if CONVERT_KV:
             k = k.to(q.dtype)
         s = tl.dot(q, tl.permute(k, (0, 2, 1)), input_precision=DOT_PRECISION)  # (SLICES, BLOCK_M, TS)
@@ -615,12 +674,16 @@ def _attn_kv_loop_slices(
             )
         p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASK, 2)
         if not EARLY_V:
-            v = _load_tile(V + v_off[:, :, None] + offs_d3, n_ok[:, :, None], d_ok3, MASK, EVEN_D)
+            v = _load_tile(V + v_off[:, :, None] + offs_v3, n_ok[:, :, None], d_ok3, MASK, EVEN_D)
+        if V_PAIRS:
+            v, v2 = _split_pairs(v, PAIR_ASM)
+            v2 = v2.to(q.dtype)
+            acc2 = acc2 * alpha[:, :, None] + tl.dot(p.to(v2.dtype), v2, input_precision=DOT_PRECISION)
         if CONVERT_KV:
             v = v.to(q.dtype)
         acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, acc2, l_i, m_i
 
 
 @triton.jit
@@ -703,6 +766,8 @@ def _paged_attn_kernel(
     HEADS_FIRST: tl.constexpr,
     PDL: tl.constexpr,
     SLICES: tl.constexpr,
+    V_PAIRS: tl.constexpr,
+    PAIR_ASM: tl.constexpr,
 ):
     if PDL:
         # Lets the combine kernel (launched as a programmatic dependent) be scheduled as soon as
@@ -813,15 +878,30 @@ def _paged_attn_kernel(
     col_k = col_h * stride_kh
     col_v = col_h * stride_vh
 
+    # V_PAIRS: V read as int16 byte pairs, accumulated as its even (acc) and odd (acc2) columns;
+    # otherwise acc2 is a placeholder the loops carry unchanged.
+    if V_PAIRS:
+        tl.static_assert(
+            KV_FP8 and EVEN_D and not USE_TMA, "v_pairs: fp8 caches, power-of-two d, pointer loads"
+        )
+        DV: tl.constexpr = BLOCK_D // 2
+        DV2: tl.constexpr = BLOCK_D // 2
+    else:
+        DV: tl.constexpr = BLOCK_D
+        DV2: tl.constexpr = 1
+    offs_v = tl.arange(0, DV)
+
     # Three passes over [s_lo, s_hi): masked head tiles, mask-free tiles, masked tail tiles.
     if SLICES:
         tl.static_assert(HPP == 1 and not USE_TMA, "warp slices: one KV head per program, pointer loads")
         q3 = tl.broadcast_to(q[None, :, :], [SLICES, BLOCK_M, BLOCK_D])
-        acc3 = tl.zeros([SLICES, BLOCK_M, BLOCK_D], dtype=tl.float32)
+        acc3 = tl.zeros([SLICES, BLOCK_M, DV], dtype=tl.float32)
+        acc3b = tl.zeros([SLICES, BLOCK_M, DV2], dtype=tl.float32)
         l3 = tl.zeros([SLICES, BLOCK_M], dtype=tl.float32)
         m3 = tl.full([SLICES, BLOCK_M], float("-inf"), dtype=tl.float32)
     else:
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_M, DV2], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for phase in tl.static_range(3):
@@ -835,21 +915,26 @@ def _paged_attn_kernel(
             t_lo = b_end
             t_hi = s_hi
         if SLICES:
-            acc3, l3, m3 = _attn_kv_loop_slices(
-                acc3, l3, m3, q3, Kh, Vh, bt_row, kv_row, t_lo, t_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
-                window_left, window_right, offs_d, d_ok, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, SLICES,
+            acc3, acc3b, l3, m3 = _attn_kv_loop_slices(
+                acc3, acc3b, l3, m3, q3, Kh, Vh, bt_row, kv_row, t_lo, t_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
+                window_left, window_right, offs_d, offs_v, d_ok, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, SLICES,
                 PAGE_SIZE, phase != 1, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION,
-                EARLY_V, WIDE_OFFSETS,
+                EARLY_V, WIDE_OFFSETS, V_PAIRS, PAIR_ASM,
             )  # fmt: skip
         else:
-            acc, l_i, m_i = _attn_kv_loop(
-                acc, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, t_lo, t_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
-                window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, d_ok, stride_kb, stride_kt,
+            acc, acc2, l_i, m_i = _attn_kv_loop(
+                acc, acc2, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, t_lo, t_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
+                window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, offs_v, d_ok, stride_kb, stride_kt,
                 stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, phase != 1, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
-                WIDE_OFFSETS,
+                WIDE_OFFSETS, V_PAIRS, PAIR_ASM,
             )  # fmt: skip
     if SLICES:
         acc, l_i, m_i = _merge_slices(acc3, l3, m3)
+        if V_PAIRS:
+            acc2, _, _ = _merge_slices(acc3b, l3, m3)
+    if V_PAIRS:
+        # Even and odd columns back into the head dim's order: column 2c is acc[:, c], 2c + 1 acc2[:, c].
+        acc = tl.reshape(tl.join(acc, acc2), (BLOCK_M, BLOCK_D))
 
     nonempty = l_i > 0.0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -1183,6 +1268,9 @@ def launch_paged_attention(
     else:
         desc_k, desc_v = k_cache, v_cache
     wide = wide_offsets(config, k_cache, v_cache, paged)
+    v_pairs = v_pairs_apply(config, tiles, v_cache, head_dim, use_tma)
+    if v_pairs:  # strides below in int16 units
+        v_cache = v_cache.view(torch.int16)
     grid = paged_grid(config, q_tiles, num_splits, tiles.head_programs, batch)
     heads_first = _heads_first(config, q_tiles * num_splits)
     tensors = (
@@ -1207,7 +1295,7 @@ def launch_paged_attention(
         config, block_m, tiles.heads, q.dtype, k_cache.dtype, out.dtype, q.device.index, head_dim, nheads,
         nheads_k, page_size, cu_seqlens_q is not None, cache_batch_idx is not None, kv_start is not None, softcap > 0,
         None if alibi_slopes is None else (alibi_slopes.dim(), alibi_slopes.stride(0)), split, write_lse, upcast, fused, use_tma,
-        wide, pdl, heads_first,
+        wide, pdl, heads_first, v_pairs,
         q.stride(), k_cache.stride(), v_cache.stride(), out.stride(), aligned(*tensors),
         int_specs(ints),
     )  # fmt: skip
@@ -1226,6 +1314,7 @@ def launch_paged_attention(
             fp32_dot=q.dtype == torch.float32 or upcast, upcast=upcast, varlen_q=cu_seqlens_q is not None,
             batch_idx=cache_batch_idx is not None, kv_start=kv_start is not None, softcap=softcap > 0, alibi=alibi_slopes is not None,
             write_lse=write_lse, fused=fused, use_tma=use_tma, wide=wide, heads_first=heads_first, pdl=pdl,
+            v_pairs=v_pairs,
         )  # fmt: skip
         kwargs.update(num_warps=config.num_warps, num_stages=config.num_stages)
         if config.maxnreg and q.device.type == "cuda":
@@ -1281,13 +1370,15 @@ def paged_kernel_constexprs(
     wide: bool = False,
     heads_first: bool = False,
     pdl: bool = False,
+    v_pairs: bool = False,
 ) -> dict[str, Any]:
     """The compile-time arguments of :func:`_paged_attn_kernel` for one launch (by name).
 
     :func:`launch_paged_attention` derives the flags from its arguments; the offline codegen probe
     (``benchmarks/probes/decode_sass.py``) passes the decode case it compiles. ``page_size`` is
     ``0`` for a contiguous cache; ``fp32_dot``: ``tl.dot`` in IEEE fp32 (fp32 queries, or bf16
-    upcast under the interpreter) instead of tf32/bf16.
+    upcast under the interpreter) instead of tf32/bf16; ``v_pairs``: :func:`v_pairs_apply`'s
+    answer for the launch.
     """
     return {
         "G": group, "HPP": tiles.heads, "HEAD_DIM": head_dim, "BLOCK_D": max(16, next_pow2(head_dim)),
@@ -1297,7 +1388,27 @@ def paged_kernel_constexprs(
         "EARLY_V": config.early_v, "FUSED_COMBINE": fused, "USE_TMA": use_tma,
         "PREFETCH_TABLE": config.prefetch_table, "WIDE_OFFSETS": wide, "HEADS_FIRST": heads_first, "PDL": pdl,
         "SLICES": config.num_warps if config.warp_slices and tiles.block_m <= WARP_SLICE_ROWS else 0,
+        "V_PAIRS": v_pairs, "PAIR_ASM": not interpreter_enabled(),
     }  # fmt: skip
+
+
+def v_pairs_apply(
+    config: PagedAttnConfig, tiles: PagedTiles, v_cache: Tensor, head_dim: int, use_tma: bool
+) -> bool:
+    """Whether a launch reads V as int16 byte pairs (``PagedAttnConfig.v_pairs``): fp8 decode tiles
+    (at most :data:`WARP_SLICE_ROWS` rows) of a power-of-two head dim, pointer loads, and a V cache
+    that can be viewed as int16 (even element offset and strides)."""
+    return (
+        config.v_pairs
+        and is_fp8_dtype(v_cache.dtype)
+        and tiles.block_m <= WARP_SLICE_ROWS
+        and head_dim >= 16
+        and head_dim & (head_dim - 1) == 0
+        and not use_tma
+        and v_cache.stride(-1) == 1
+        and v_cache.storage_offset() % 2 == 0
+        and all(st % 2 == 0 for st in v_cache.stride()[:-1])
+    )
 
 
 def _max_offset(t: Tensor) -> int:
