@@ -52,7 +52,7 @@ wrote it (2026-12-06, late evening).
 Rows per shape (GQA 32/8, d=128, block size 16, random page order), timed in round-robin rounds:
 SDPA cuDNN on a contiguous bf16 cache; the library's bf16 default and fp8 decode at the planner's
 split counts (with their combine): fp8 as the previous default (``nows``) and with ``warp_slices``
-and/or ``v_pairs``, some under a 168- or 128-register cap (three or four programs per SM;
+and/or ``v_pairs``, some under a 128- or 96-register cap (four or five programs per SM;
 ``LIB_VARIANTS``), bf16 with ``warp_slices``; the probe kernels at the fp8 planner's split count. ``ratio_bf16`` is the library bf16 row's time over the row's time (sequences x tokens
 / s).
 
@@ -83,12 +83,11 @@ BLOCK_N = 128
 LIB_VARIANTS: dict[str, dict[str, Any]] = {
     "nows": {"warp_slices": False, "v_pairs": False, "maxnreg": 0},
     "ws": {"warp_slices": True, "block_n": 128},
-    "wsr168": {"warp_slices": True, "block_n": 128, "maxnreg": 168},
     "vp": {"warp_slices": False, "v_pairs": True},
-    "vpr168": {"warp_slices": False, "v_pairs": True, "maxnreg": 168},
     "vpr128": {"warp_slices": False, "v_pairs": True, "maxnreg": 128},
+    "vpr96": {"warp_slices": False, "v_pairs": True, "maxnreg": 96},
+    "vpr96nev": {"warp_slices": False, "v_pairs": True, "maxnreg": 96, "early_v": False},
     "wsvp": {"warp_slices": True, "v_pairs": True},
-    "wsvpr168": {"warp_slices": True, "v_pairs": True, "maxnreg": 168},
 }
 # (V layout, warps, stages, maxnreg) of the probe kernel's rows.
 PROBE_VARIANTS = (
