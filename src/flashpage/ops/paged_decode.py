@@ -311,7 +311,13 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     split_opts = {"heads_first": True, "pdl": True, "combine_block_d": 32, "combine_warps": 1}
     if is_fp8_dtype(kv_dtype) and head_dim <= 128:
         return PagedAttnConfig(
-            block_n=128, num_warps=4, num_stages=2 if paged else 3, early_v=True, **split_opts
+            block_n=128,
+            num_warps=4,
+            num_stages=2 if paged else 3,
+            early_v=True,
+            v_pairs=True,
+            maxnreg=128,
+            **split_opts,
         )
     if head_dim > 128:
         return PagedAttnConfig(block_n=32, num_warps=4, num_stages=2, **split_opts)
