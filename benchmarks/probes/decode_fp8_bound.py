@@ -82,12 +82,12 @@ BLOCK_N = 128
 # Library configurations timed beside the defaults (fields replaced in default_decode_config).
 LIB_VARIANTS: dict[str, dict[str, Any]] = {
     "nows": {"warp_slices": False, "v_pairs": False, "maxnreg": 0},
-    "ws": {"warp_slices": True, "block_n": 128},
-    "vp": {"warp_slices": False, "v_pairs": True},
+    "ws": {"warp_slices": True, "v_pairs": False, "maxnreg": 0},
+    "vp": {"warp_slices": False, "v_pairs": True, "maxnreg": 0},
     "vpr128": {"warp_slices": False, "v_pairs": True, "maxnreg": 128},
     "vpr96": {"warp_slices": False, "v_pairs": True, "maxnreg": 96},
     "vpr96nev": {"warp_slices": False, "v_pairs": True, "maxnreg": 96, "early_v": False},
-    "wsvp": {"warp_slices": True, "v_pairs": True},
+    "wsvp": {"warp_slices": True, "v_pairs": True, "maxnreg": 0},
 }
 # (V layout, warps, stages, maxnreg) of the probe kernel's rows.
 PROBE_VARIANTS = (
