@@ -131,11 +131,12 @@ class PagedAttnConfig:
             ``(rows, d)`` accumulator per warp. One KV head per program, pointer loads (not with
             ``use_tma`` or ``prefetch_table``); ``block_n // num_warps >= 16``. Applied to tiles of at
             most :data:`WARP_SLICE_ROWS` query rows (decode): each warp holds every row's accumulator,
-            so larger row tiles (multi-query rows) run unsliced. Off by default: not timed yet. Offline
-            (sm_90, triton 3.9, fp8 decode tiles, the mask-free loop per thread per 128-token tile) it
-            takes 718 instructions instead of 840, 4 barriers instead of 10 and 176 registers
-            instead of 254 (``benchmarks/probes/decode_fp8_bound.py`` times it against the default,
-            and ``flashpage bench decode --variants`` flips it).
+            so larger row tiles (multi-query rows) run unsliced. Off by default. Offline (sm_90,
+            triton 3.9, fp8 decode tiles, the mask-free loop per thread per 128-token tile) it takes
+            718 instructions instead of 840, 4 barriers instead of 10 and 176 registers instead of
+            254, yet on an H100 (2026-12-07, ``benchmarks/probes/decode_fp8_bound.py``) the fp8
+            kernel read at 1.83 / 1.68 / 1.75 / 1.53x the bf16 kernel (b32/32k, b64/4k, b256/4k,
+            b1/128k) against 1.78 / 1.70 / 1.74 / 1.63x unsliced, and bf16 0.3-4.4% slower.
         v_pairs: fp8 caches: read V's tile as int16 pairs of bytes (columns ``2c`` and ``2c + 1`` of a
             token) and compute ``P V`` as two dots, over V's even and over its odd columns. The pairs
             reach ``tl.dot``'s operand layout through Triton's transposing 16-bit shared-memory load
@@ -146,9 +147,12 @@ class PagedAttnConfig:
             most :data:`WARP_SLICE_ROWS` query rows) of fp8 caches whose head dim is a power of two,
             loaded by pointers (not ``use_tma``), and whose V cache can be viewed as int16 (even
             offset and strides); otherwise ignored. Under the Triton interpreter (no PTX) integer
-            ops split the pairs. Offline (sm_90, triton 3.9, 128-token tiles, the mask-free loop per
-            thread per tile): 604 instructions and 116 registers instead of 835 and 227 in the
-            probe kernel of ``benchmarks/probes/decode_fp8_bound.py``.
+            ops split the pairs. Offline (sm_90, 128-token tiles, the mask-free loop per thread per
+            tile): 621 instructions and 177 registers instead of 840 and 254 (triton 3.9; 3.6: 634 /
+            168 instead of 859 / 255). The registers are what pays: on an H100 the pairs alone read
+            at 0.95-1.05x the byte-wise kernel's speed, and with ``maxnreg=128`` (four programs per
+            SM instead of two; no spill in the mask-free loop) 1.07-1.10x (the fp8 default; see
+            :func:`default_decode_config`).
     """
 
     block_m: int = 0
@@ -232,7 +236,7 @@ class PagedAttnConfig:
 def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = True) -> PagedAttnConfig:
     """Decode defaults: 64-column tiles, 4 warps, for d <= 128 as many KV heads per program as fill
     16 query rows (GQA 4: 4 heads, 16 tokens per tile); fp8 KV: 128-token tiles of one head, 4
-    warps, early V load; contiguous caches (``paged=False``) a deeper pipeline; with split-KV the
+    warps, early V load, V read as byte pairs (``v_pairs``) under a 128-register cap; contiguous caches (``paged=False``) a deeper pipeline; with split-KV the
     KV-head-first grid and a programmatic-dependent combine of 32-column, one-warp programs.
 
     Several KV heads per program (H100, 2026-12-05, ``benchmarks/probes/decode_multihead.py``, GQA
@@ -292,6 +296,17 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     layout; ``benchmarks/probes/decode_sass.py``); reading int32 words widened in registers cut the
     loop from 859 to 760 instructions (triton 3.6) but read slower on the H100 (2026-12-05): 2-24%
     with these tiles, 0.6-6% with the best word-path tiles of each shape.
+
+    fp8 since 2026-12-07: the same tiles reading V as int16 byte pairs (``v_pairs``: no byte-wise
+    shared-memory loads; 177 registers instead of 254 with triton 3.9, 168 instead of 255 with 3.6)
+    and capped at 128 registers, so four programs share an SM instead of two (8-40 bytes of stack;
+    none touched in the mask-free KV loop, one word reloaded per masked tile under triton 3.9). H100 (``benchmarks/probes/decode_fp8_bound.py``, GQA 32/8,
+    random pages, x the bf16 kernel's sequences x tokens/s in the same run; b32/32k, b64/4k,
+    b256/4k, b1/128k): 1.92 / 1.87 / 1.86 / 1.79x, the previous default 1.78 / 1.70 / 1.74 /
+    1.63x, the pairs without the cap 1.70 / 1.61 / 1.83 / 1.59x; ``flashpage bench decode`` at
+    fb1d4bc (``benchmarks/results/decode-h100.json``) 1.79-1.93x on the six shapes. With one
+    program's loads in flight per tile and a long dependent chain of shared loads, conversions and
+    MMAs per tile, resident programs are what hides the latency. Not yet timed on an H200.
 
     The block-table indirection halves the load latency Triton's pipeliner assigns (``(num_stages -
     1) // 2`` stages ahead), so 2 stages issue a tile's loads one iteration ahead into one buffer; 5
