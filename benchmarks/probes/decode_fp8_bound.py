@@ -39,7 +39,7 @@ Offline sm_90 SASS (triton 3.9, the mask-free loop per thread per 128-token tile
 
 ``pair`` reads V in the library's layout as int16 pairs of bytes (columns 2c and 2c+1 of a token):
 Triton loads them with the transposing ``LDSM.16.MT88.4`` (8 per tile) into V's dot-operand layout,
-where each register holds tokens t and t+1 of one pair; inline PTX (``_split_pairs``) gathers the
+where each register holds tokens t and t+1 of one pair; inline PTX (the library's ``_split_pairs``) gathers the
 low bytes and the high bytes with two ``PRMT`` and widens each by one ``F2FP``, and ``P V`` runs as
 two dots over the even and the odd columns (stored interleaved). No byte-wise shared loads, half
 the registers of ``std``.
@@ -75,7 +75,7 @@ from torch import Tensor
 
 from flashpage.ops.cache_write import fp8_kv_scales
 from flashpage.ops.launch_cache import KERNEL_OPTIONS
-from flashpage.ops.paged_decode import default_decode_config
+from flashpage.ops.paged_decode import _split_pairs, default_decode_config
 from flashpage.ops.paged_plan import plan_decode, run_decode
 
 BLOCK_N = 128
@@ -93,34 +93,6 @@ LIB_VARIANTS: dict[str, dict[str, Any]] = {
 PROBE_VARIANTS = (
     ("std", 4, 2, 0), ("vt", 4, 2, 0), ("pair", 4, 2, 0), ("wbstd", 4, 2, 0), ("wbpair", 4, 2, 0),
 )  # fmt: skip
-
-
-# fp8 pairs to fp16: each int16 element holds two e4m3 bytes (columns 2c, 2c+1 of a V row); the low
-# bytes of two packed elements go to one F2FP, the high bytes to another. Elementwise per int16
-# element whatever two elements Triton packs (here, V's dot-operand layout: tokens t and t+1).
-PAIR_ASM = tl.constexpr("""{
-.reg .b32 e, o;
-.reg .b16 el, eh, ol, oh;
-prmt.b32 e, $2, 0, 0x0020;
-prmt.b32 o, $2, 0, 0x0031;
-mov.b32 {el, eh}, e;
-mov.b32 {ol, oh}, o;
-cvt.rn.f16x2.e4m3x2 $0, el;
-cvt.rn.f16x2.e4m3x2 $1, ol;
-}""")
-
-
-@triton.jit
-def _split_pairs(v16, ASM: tl.constexpr):
-    """fp16 tensors of the low and high e4m3 bytes of ``v16`` (int16); ``ASM=False`` (the interpreter,
-    which runs no PTX) the same by integer ops."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            PAIR_ASM, "=r,=r,r", [v16], dtype=(tl.float16, tl.float16), is_pure=True, pack=2
-        )
-    u = v16.to(tl.uint16, bitcast=True)
-    lo = (u & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    return lo, (u >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
 
 
 @triton.jit

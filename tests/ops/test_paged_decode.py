@@ -575,6 +575,21 @@ def test_multi_head_programs(
             torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
 
 
+def _slice_case(
+    block_size: int, opts: dict[str, object]
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, dict[str, object]]:
+    """Ragged paged caches (lengths 2, 77, 48, 1; GQA 8/2, d=32), queries of ``opts["q_len"]``
+    tokens and the attention options ``opts`` names (window, softcap, ALiBi slopes)."""
+    lens, nheads, nheads_k, d = [2, 77, 48, 1], 8, 2, 32
+    kc, vc, bt, sl = make_paged_cache(lens, block_size, nheads_k, d)
+    q_len = int(opts.get("q_len", 1))  # type: ignore[call-overload]
+    q = torch.randn(len(lens), q_len, nheads, d)
+    kw: dict[str, object] = {k: v for k, v in opts.items() if k in ("window_size", "softcap")}
+    if opts.get("alibi"):
+        kw["alibi_slopes"] = torch.rand(nheads)
+    return kc, vc, bt, sl, q, kw
+
+
 @pytest.mark.parametrize(
     ("block_size", "block_n", "warps", "opts"),
     [
@@ -587,13 +602,7 @@ def test_multi_head_programs(
 def test_warp_slices(block_size: int, block_n: int, warps: int, opts: dict[str, object]) -> None:
     """Tiles cut into one slice per warp (own softmax state, merged after the loop) equal the
     reference and the unsliced kernel: masks, options, multi-query rows, splits, fp8 caches."""
-    lens, nheads, nheads_k, d = [2, 77, 48, 1], 8, 2, 32
-    kc, vc, bt, sl = make_paged_cache(lens, block_size, nheads_k, d)
-    q_len = int(opts.get("q_len", 1))  # type: ignore[call-overload]
-    q = torch.randn(len(lens), q_len, nheads, d)
-    kw: dict[str, object] = {k: v for k, v in opts.items() if k in ("window_size", "softcap")}
-    if opts.get("alibi"):
-        kw["alibi_slopes"] = torch.rand(nheads)
+    kc, vc, bt, sl, q, kw = _slice_case(block_size, opts)
     cfg = PagedAttnConfig(
         block_n=block_n, num_warps=warps, warp_slices=True, early_v=bool(opts.get("early_v"))
     )
@@ -659,14 +668,9 @@ def test_v_pairs(block_size: int, block_n: int, warps: int, opts: dict[str, obje
     """fp8 V read as int16 byte pairs (even / odd columns accumulated apart, interleaved at the
     end): equal to the reference over the dequantised caches and to the byte-wise kernel, with
     masks, options, warp slices, multi-query rows and splits."""
-    lens, nheads, nheads_k, d = [2, 77, 48, 1], 8, 2, 32
-    kc, vc, bt, sl = make_paged_cache(lens, block_size, nheads_k, d)
+    kc, vc, bt, sl, q, kw = _slice_case(block_size, opts)
     kc8, vc8, ks, vs, kd, vd = _fp8_caches(kc, vc)
-    q_len = int(opts.get("q_len", 1))  # type: ignore[call-overload]
-    q = torch.randn(len(lens), q_len, nheads, d)
-    kw: dict[str, object] = {k: v for k, v in opts.items() if k in ("window_size", "softcap")}
-    if opts.get("alibi"):
-        kw["alibi_slopes"] = torch.rand(nheads)
+    q_len, nheads, nheads_k, d = q.shape[1], q.shape[2], kc.shape[2], kc.shape[3]
     cfg = PagedAttnConfig(
         block_n=block_n, num_warps=warps, v_pairs=True, warp_slices=bool(opts.get("warp_slices")),
         early_v=bool(opts.get("early_v")),
