@@ -236,7 +236,8 @@ class PagedAttnConfig:
 def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = True) -> PagedAttnConfig:
     """Decode defaults: 64-column tiles, 4 warps, for d <= 128 as many KV heads per program as fill
     16 query rows (GQA 4: 4 heads, 16 tokens per tile); fp8 KV: 128-token tiles of one head, 4
-    warps, early V load, V read as byte pairs (``v_pairs``) under a 128-register cap; contiguous caches (``paged=False``) a deeper pipeline; with split-KV the
+    warps, early V load and, for a power-of-two head dim, V read as byte pairs (``v_pairs``) under a
+    128-register cap; contiguous caches (``paged=False``) a deeper pipeline; with split-KV the
     KV-head-first grid and a programmatic-dependent combine of 32-column, one-warp programs.
 
     Several KV heads per program (H100, 2026-12-05, ``benchmarks/probes/decode_multihead.py``, GQA
@@ -300,9 +301,9 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     fp8 since 2026-12-07: the same tiles reading V as int16 byte pairs (``v_pairs``: no byte-wise
     shared-memory loads; 177 registers instead of 254 with triton 3.9, 168 instead of 255 with 3.6)
     and capped at 128 registers, so four programs share an SM instead of two (8-40 bytes of stack;
-    none touched in the mask-free KV loop, one word reloaded per masked tile under triton 3.9). H100 (``benchmarks/probes/decode_fp8_bound.py``, GQA 32/8,
-    random pages, x the bf16 kernel's sequences x tokens/s in the same run; b32/32k, b64/4k,
-    b256/4k, b1/128k): 1.92 / 1.87 / 1.86 / 1.79x, the previous default 1.78 / 1.70 / 1.74 /
+    none touched in the mask-free KV loop, one word reloaded per masked tile under triton 3.9).
+    H100 (``benchmarks/probes/decode_fp8_bound.py``, GQA 32/8, random pages, x the bf16 kernel's
+    sequences x tokens/s in the same run; b32/32k, b64/4k, b256/4k, b1/128k): 1.92 / 1.87 / 1.86 / 1.79x, the previous default 1.78 / 1.70 / 1.74 /
     1.63x, the pairs without the cap 1.70 / 1.61 / 1.83 / 1.59x; ``flashpage bench decode`` at
     fb1d4bc (``benchmarks/results/decode-h100.json``) 1.79-1.93x on the six shapes. With one
     program's loads in flight per tile and a long dependent chain of shared loads, conversions and
@@ -325,13 +326,16 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     """
     split_opts = {"heads_first": True, "pdl": True, "combine_block_d": 32, "combine_warps": 1}
     if is_fp8_dtype(kv_dtype) and head_dim <= 128:
+        # The register cap pays only with the pairs (the byte path spills in its KV loop at 128),
+        # and the pairs need a power-of-two head dim.
+        pairs = head_dim >= 16 and head_dim & (head_dim - 1) == 0
         return PagedAttnConfig(
             block_n=128,
             num_warps=4,
             num_stages=2 if paged else 3,
             early_v=True,
-            v_pairs=True,
-            maxnreg=128,
+            v_pairs=pairs,
+            maxnreg=128 if pairs else 0,
             **split_opts,
         )
     if head_dim > 128:
