@@ -28,6 +28,11 @@ counts measured there, 112 (88 with split-KV partials, 120 with 64-bit offsets),
   1.62x, b32/32k 1.43-1.53x against 1.78x, b64/4k 1.29-1.31x against 1.68-1.69x, b256/4k 1.67x
   against 1.71x; the best word-path tiles per shape (64-token tiles, no early V) 0.6-6% below the
   byte path; words for V only at best 1.63-1.73x, for K only within 1% of bytes. Not adopted.
+- Since 2026-12-07 the fp8 default reads V as int16 byte pairs (``v_pairs``: transposing 16-bit
+  shared loads, ``PRMT`` + ``F2FP`` per register, no ``LDS.U8``) under ``maxnreg=128``: mask-free
+  loop 632-633 instructions, 128 registers (8 / 40 bytes of stack under 3.6 / 3.9, none touched in
+  that loop); without the cap 621 (3.9) / 634 (3.6) instructions and 177 / 168 registers. On the
+  H100 it reads 1.07-1.10x the byte path's speed (``decode_fp8_bound.py``).
 
 - Chunked prefill (``--q-len 2048``: the Hopper tiles for 16-token pages, 128 x 128, 8 warps, 3
   stages, table prefetch), triton 3.9 against 3.6 (2026-12-06): 255 registers under both, 64 bytes
