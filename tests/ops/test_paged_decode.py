@@ -581,6 +581,14 @@ def test_multi_head_programs(
             torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
 
 
+def _fp8_caches(kc: Tensor, vc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """e4m3 copies of ``kc``/``vc`` with per-head scales, and their dequantised values."""
+    ks, vs = fp8_kv_scales(kc), fp8_kv_scales(vc)
+    kc8 = (kc / ks.view(1, 1, -1, 1)).to(torch.float8_e4m3fn)
+    vc8 = (vc / vs.view(1, 1, -1, 1)).to(torch.float8_e4m3fn)
+    return kc8, vc8, ks, vs, kc8.float() * ks.view(1, 1, -1, 1), vc8.float() * vs.view(1, 1, -1, 1)
+
+
 def _slice_case(
     block_size: int, opts: dict[str, object]
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, dict[str, object]]:
@@ -624,10 +632,7 @@ def test_warp_slices(block_size: int, block_n: int, warps: int, opts: dict[str, 
         )  # type: ignore[arg-type]
         torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
     # fp8 caches (one scale per head) against the dequantised reference.
-    ks, vs = fp8_kv_scales(kc), fp8_kv_scales(vc)
-    kc8 = (kc / ks.view(1, 1, -1, 1)).to(torch.float8_e4m3fn)
-    vc8 = (vc / vs.view(1, 1, -1, 1)).to(torch.float8_e4m3fn)
-    kd, vd = kc8.float() * ks.view(1, 1, -1, 1), vc8.float() * vs.view(1, 1, -1, 1)
+    kc8, vc8, ks, vs, kd, vd = _fp8_caches(kc, vc)
     ref8, _, same8 = _refs(q, kd, vd, bt, sl, causal=True, **kw)
     out8 = paged_decode(q, kc8, vc8, bt, sl, num_splits=2, config=cfg, k_scale=ks, v_scale=vs, **kw)  # type: ignore[arg-type]
     assert_close_to_ref(out8, ref8, same8)
@@ -651,14 +656,6 @@ def test_warp_slices_config_errors() -> None:
             cfg, tiles, group=4, head_dim=128, page_size=16, fp8=False, split=False, fp32_dot=False
         )
         assert consts["SLICES"] == slices, (q_len, tiles.block_m)
-
-
-def _fp8_caches(kc: Tensor, vc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """e4m3 copies of ``kc``/``vc`` with per-head scales, and their dequantised values."""
-    ks, vs = fp8_kv_scales(kc), fp8_kv_scales(vc)
-    kc8 = (kc / ks.view(1, 1, -1, 1)).to(torch.float8_e4m3fn)
-    vc8 = (vc / vs.view(1, 1, -1, 1)).to(torch.float8_e4m3fn)
-    return kc8, vc8, ks, vs, kc8.float() * ks.view(1, 1, -1, 1), vc8.float() * vs.view(1, 1, -1, 1)
 
 
 @pytest.mark.parametrize(

@@ -328,7 +328,7 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     if is_fp8_dtype(kv_dtype) and head_dim <= 128:
         # The register cap pays only with the pairs (the byte path spills in its KV loop at 128),
         # and the pairs need a power-of-two head dim.
-        pairs = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+        pairs = _pairs_head_dim(head_dim)
         return PagedAttnConfig(
             block_n=128,
             num_warps=4,
@@ -483,6 +483,22 @@ def _split_pairs(v16, ASM: tl.constexpr):
 
 
 @triton.jit
+def _pv_step(acc, acc2, p, v, alpha, q, CONVERT_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+             V_PAIRS: tl.constexpr, PAIR_ASM: tl.constexpr):  # fmt: skip
+    """``acc * alpha + P V`` for tiles of any rank (``alpha`` already broadcast against ``acc``), V
+    converted to ``q``'s dtype where ``CONVERT_KV``; with ``V_PAIRS`` ``v`` holds int16 byte pairs
+    and ``acc`` / ``acc2`` take V's even / odd columns (``acc2`` is returned unchanged otherwise)."""
+    if V_PAIRS:
+        v, v2 = _split_pairs(v, PAIR_ASM)
+        v2 = v2.to(q.dtype)
+        acc2 = acc2 * alpha + tl.dot(p.to(v2.dtype), v2, input_precision=DOT_PRECISION)
+    if CONVERT_KV:
+        v = v.to(q.dtype)
+    acc = acc * alpha + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, acc2
+
+
+@triton.jit
 def _attn_kv_loop(
     acc,
     acc2,
@@ -607,13 +623,7 @@ def _attn_kv_loop(
                 v = _load_tile(
                     V + v_off[:, None] + offs_v[None, :], n_ok[:, None], d_ok[None, :], MASK, EVEN_D
                 )
-        if V_PAIRS:
-            v, v2 = _split_pairs(v, PAIR_ASM)
-            v2 = v2.to(q.dtype)
-            acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v2.dtype), v2, input_precision=DOT_PRECISION)
-        if CONVERT_KV:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc, acc2 = _pv_step(acc, acc2, p, v, alpha[:, None], q, CONVERT_KV, DOT_PRECISION, V_PAIRS, PAIR_ASM)
         m_i = m_new
     return acc, acc2, l_i, m_i
 
@@ -700,13 +710,9 @@ def _attn_kv_loop_slices(
         p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASK, 2)
         if not EARLY_V:
             v = _load_tile(V + v_off[:, :, None] + offs_v3, n_ok[:, :, None], d_ok3, MASK, EVEN_D)
-        if V_PAIRS:
-            v, v2 = _split_pairs(v, PAIR_ASM)
-            v2 = v2.to(q.dtype)
-            acc2 = acc2 * alpha[:, :, None] + tl.dot(p.to(v2.dtype), v2, input_precision=DOT_PRECISION)
-        if CONVERT_KV:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc, acc2 = _pv_step(
+            acc, acc2, p, v, alpha[:, :, None], q, CONVERT_KV, DOT_PRECISION, V_PAIRS, PAIR_ASM
+        )
         m_i = m_new
     return acc, acc2, l_i, m_i
 
@@ -1417,6 +1423,12 @@ def paged_kernel_constexprs(
     }  # fmt: skip
 
 
+def _pairs_head_dim(head_dim: int) -> bool:
+    """Head dims the byte pairs serve: powers of two (>= 16), where the tile holds no padded
+    columns, so the even and odd halves are ``BLOCK_D // 2`` wide each."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def v_pairs_apply(
     config: PagedAttnConfig, tiles: PagedTiles, v_cache: Tensor, head_dim: int, use_tma: bool
 ) -> bool:
@@ -1427,8 +1439,7 @@ def v_pairs_apply(
         config.v_pairs
         and is_fp8_dtype(v_cache.dtype)
         and tiles.block_m <= WARP_SLICE_ROWS
-        and head_dim >= 16
-        and head_dim & (head_dim - 1) == 0
+        and _pairs_head_dim(head_dim)
         and not use_tma
         and v_cache.stride(-1) == 1
         and v_cache.storage_offset() % 2 == 0
