@@ -51,10 +51,12 @@ wrote it (2026-12-06, late evening).
 
 Rows per shape (GQA 32/8, d=128, block size 16, random page order), timed in round-robin rounds:
 SDPA cuDNN on a contiguous bf16 cache; the library's bf16 default and fp8 decode at the planner's
-split counts (with their combine): fp8 as the previous default (``nows``) and with ``warp_slices``
-and/or ``v_pairs``, some under a 128- or 96-register cap (four or five programs per SM;
-``LIB_VARIANTS``), bf16 with ``warp_slices``; the probe kernels at the fp8 planner's split count. ``ratio_bf16`` is the library bf16 row's time over the row's time (sequences x tokens
-/ s).
+split counts (with their combine) in the configurations of ``LIB_VARIANTS``: byte-wise (``bytes``,
+the default before 2026-12-07), V as byte pairs under a 128-register cap (``vpr128``, the default
+of 2026-12-07), K and V as byte pairs (``k_pairs``) uncapped and under a 128- or 96-register cap
+(four or five programs per SM); the probe kernels of ``PROBE_VARIANTS`` (the other modes above were
+timed on an H100 on 2026-12-07 and are dropped from the default list) at the fp8 planner's split
+count. ``ratio_bf16`` is the library bf16 row's time over the row's time (sequences x tokens / s).
 
 Run on the GPU: ``cd benchmarks/probes && PYTHONPATH=../../src:. python decode_fp8_bound.py [out.json]``
 (``SHAPES=32:32768:0,...`` for fewer shapes); ``DEV=cpu TRITON_INTERPRET=1 ... --tiny`` checks the
@@ -81,18 +83,14 @@ from flashpage.ops.paged_plan import plan_decode, run_decode
 BLOCK_N = 128
 # Library configurations timed beside the defaults (fields replaced in default_decode_config).
 LIB_VARIANTS: dict[str, dict[str, Any]] = {
-    "nows": {"warp_slices": False, "v_pairs": False, "maxnreg": 0},
-    "ws": {"warp_slices": True, "v_pairs": False, "maxnreg": 0},
-    "vp": {"warp_slices": False, "v_pairs": True, "maxnreg": 0},
-    "vpr128": {"warp_slices": False, "v_pairs": True, "maxnreg": 128},
-    "vpr96": {"warp_slices": False, "v_pairs": True, "maxnreg": 96},
-    "vpr96nev": {"warp_slices": False, "v_pairs": True, "maxnreg": 96, "early_v": False},
-    "wsvp": {"warp_slices": True, "v_pairs": True, "maxnreg": 0},
+    "bytes": {"warp_slices": False, "v_pairs": False, "k_pairs": False, "maxnreg": 0},
+    "vpr128": {"warp_slices": False, "v_pairs": True, "k_pairs": False, "maxnreg": 128},
+    "kvp": {"warp_slices": False, "v_pairs": True, "k_pairs": True, "maxnreg": 0},
+    "kvpr128": {"warp_slices": False, "v_pairs": True, "k_pairs": True, "maxnreg": 128},
+    "kvpr96": {"warp_slices": False, "v_pairs": True, "k_pairs": True, "maxnreg": 96},
 }
 # (V layout, warps, stages, maxnreg) of the probe kernel's rows.
-PROBE_VARIANTS = (
-    ("std", 4, 2, 0), ("vt", 4, 2, 0), ("pair", 4, 2, 0), ("wbstd", 4, 2, 0), ("wbpair", 4, 2, 0),
-)  # fmt: skip
+PROBE_VARIANTS = (("pair", 4, 2, 0),)
 
 
 @triton.jit
@@ -325,14 +323,14 @@ def probe_shape(
             assert err < 2e-2, ("lib bf16", variant, err)
         return {"impl": "lib", "kv": kv, "variant": variant, "splits": plan.num_splits}, fn
 
-    # fp8 with warp slices explicitly off and on, whichever the default is (the planner's split
-    # count is the same: fp8 programs own one KV head either way).
-    for kv, variant in (("bf16", "default"), *(("fp8", v) for v in LIB_VARIANTS), ("bf16", "ws")):
+    # fp8 variants spell out every field they compare, whichever the default is (the planner's
+    # split count is the same: fp8 programs own one KV head either way).
+    for kv, variant in (("bf16", "default"), *(("fp8", v) for v in LIB_VARIANTS)):
         try:  # a variant that fails to build or to match is reported, not timed
             rows.append(lib(kv, variant))
         except Exception as exc:
             print(f"b{b}/{ctx} lib {kv} {variant} skipped: {type(exc).__name__}: {exc}"[:400], flush=True)
-    splits = next(r["splits"] for r, _ in rows if r.get("variant") == "nows")
+    splits = next(r["splits"] for r, _ in rows if r.get("kv") == "fp8")
     while ctx % (splits * BLOCK_N):
         splits //= 2
     mid = (

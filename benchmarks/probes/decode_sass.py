@@ -73,6 +73,7 @@ from flashpage.ops.paged_decode import (
     PagedAttnConfig,
     _paged_attn_kernel,
     default_decode_config,
+    k_pairs_apply,
     kv_heads_per_program,
     paged_kernel_constexprs,
     paged_tiles,
@@ -102,15 +103,17 @@ def compile_sm90(
     config = resolved(config, kv, group, nheads_k, q_len)
     tiles = paged_tiles(config, q_len, group * nheads_k, nheads_k, _KV_DTYPES[kv])
     q = "fp16" if kv == "fp8" else kv
-    # The launcher's pair rule on a cache of this launch's shape (contiguous, offset 0).
-    v_cache = torch.empty(1, 16, nheads_k, head_dim, dtype=_KV_DTYPES[kv], device="meta")
-    v_pairs = v_pairs_apply(config, tiles, v_cache, head_dim, use_tma=False)
+    # The launcher's pair rules on a cache of this launch's shape (contiguous, offset 0).
+    cache = torch.empty(1, 16, nheads_k, head_dim, dtype=_KV_DTYPES[kv], device="meta")
+    v_pairs = v_pairs_apply(config, tiles, cache, head_dim, use_tma=False)
+    k_pairs = k_pairs_apply(config, tiles, cache, head_dim, use_tma=False)
     consts = paged_kernel_constexprs(
         config, tiles, group=group, head_dim=head_dim, page_size=16, fp8=kv == "fp8", split=split,
         fp32_dot=False, fused=split and config.fused_combine, wide=not config.narrow_offsets,
-        heads_first=config.heads_first, varlen_q=q_len > 1, v_pairs=v_pairs,
+        heads_first=config.heads_first, varlen_q=q_len > 1, v_pairs=v_pairs, k_pairs=k_pairs,
     )  # fmt: skip
-    pointers = {"Q": f"*{q}", "Out": f"*{q}", "K": _PTR_TYPES[kv], "V": "*i16" if v_pairs else _PTR_TYPES[kv],
+    pointers = {"Q": f"*{q}", "Out": f"*{q}", "K": "*i16" if k_pairs else _PTR_TYPES[kv],
+                "V": "*i16" if v_pairs else _PTR_TYPES[kv],
                 "desc_k": _PTR_TYPES[kv],
                 "desc_v": _PTR_TYPES[kv]}  # fmt: skip
     i32_ptrs = {"Arrivals", "BlockTable", "SeqlensK", "CuSeqlensQ", "BatchIdx", "KvStart"}

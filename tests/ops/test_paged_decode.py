@@ -17,6 +17,7 @@ from flashpage.ops.paged_decode import (
     choose_num_splits,
     default_decode_config,
     default_num_sms,
+    k_pairs_apply,
     kv_heads_per_program,
     paged_decode,
     paged_grid,
@@ -229,9 +230,9 @@ def test_grid_order_and_decode_defaults() -> None:
     # fp8: byte pairs under the 128-register cap where the head dim allows the pairs; otherwise
     # neither (the byte path spills at 128 registers).
     f8 = default_decode_config(torch.float8_e4m3fn, 128)
-    assert f8.v_pairs and f8.maxnreg == 128
+    assert f8.v_pairs and f8.k_pairs and f8.maxnreg == 128
     f8_96 = default_decode_config(torch.float8_e4m3fn, 96)
-    assert not f8_96.v_pairs and f8_96.maxnreg == 0
+    assert not f8_96.v_pairs and not f8_96.k_pairs and f8_96.maxnreg == 0
     plan = plan_decode(
         2, 8, 2, 32, block_size=16, max_seqlen_k=256, q_dtype=torch.float32, device="cpu", num_splits=3
     )
@@ -661,25 +662,30 @@ def test_warp_slices_config_errors() -> None:
 @pytest.mark.parametrize(
     ("block_size", "block_n", "warps", "opts"),
     [
-        (16, 64, 4, {}),
-        (8, 32, 2, {"window_size": (20, 0), "softcap": 3.0, "warp_slices": True}),  # slices over 2 pages
-        (32, 32, 2, {"alibi": True, "early_v": True}),  # page >= tile
-        (16, 64, 4, {"q_len": 3, "warp_slices": True}),  # multi-query rows (12 of 16), one sees nothing
+        (16, 64, 4, {"pairs": "kv"}),
+        # slices over 2 pages
+        (8, 32, 2, {"pairs": "kv", "window_size": (20, 0), "softcap": 3.0, "warp_slices": True}),
+        (32, 32, 2, {"pairs": "k", "alibi": True, "early_v": True}),  # page >= tile
+        # multi-query rows (12 of 16), one sees nothing
+        (16, 64, 4, {"pairs": "v", "q_len": 3, "warp_slices": True}),
     ],
 )
-def test_v_pairs(block_size: int, block_n: int, warps: int, opts: dict[str, object]) -> None:
-    """fp8 V read as int16 byte pairs (even / odd columns accumulated apart, interleaved at the
-    end): equal to the reference over the dequantised caches and to the byte-wise kernel, with
-    masks, options, warp slices, multi-query rows and splits."""
+def test_byte_pairs(block_size: int, block_n: int, warps: int, opts: dict[str, object]) -> None:
+    """fp8 K and/or V read as int16 byte pairs (V's even / odd columns accumulated apart and
+    interleaved at the end; Q K^T as even plus odd columns): equal to the reference over the
+    dequantised caches and to the byte-wise kernel, with masks, options, warp slices, multi-query
+    rows and splits."""
+    pairs = str(opts["pairs"])
     kc, vc, bt, sl, q, kw = _slice_case(block_size, opts)
     kc8, vc8, ks, vs, kd, vd = _fp8_caches(kc, vc)
     q_len, nheads, nheads_k, d = q.shape[1], q.shape[2], kc.shape[2], kc.shape[3]
     cfg = PagedAttnConfig(
-        block_n=block_n, num_warps=warps, v_pairs=True, warp_slices=bool(opts.get("warp_slices")),
-        early_v=bool(opts.get("early_v")),
+        block_n=block_n, num_warps=warps, v_pairs="v" in pairs, k_pairs="k" in pairs,
+        warp_slices=bool(opts.get("warp_slices")), early_v=bool(opts.get("early_v")),
     )  # fmt: skip
     tiles = paged_tiles(cfg, q_len, nheads, nheads_k, vc8.dtype)
-    assert v_pairs_apply(cfg, tiles, vc8, d, use_tma=False)
+    assert v_pairs_apply(cfg, tiles, vc8, d, use_tma=False) == ("v" in pairs)
+    assert k_pairs_apply(cfg, tiles, kc8, d, use_tma=False) == ("k" in pairs)
     ref, ref_lse, same = _refs(q, kd, vd, bt, sl, causal=True, **kw)
     fin = torch.isfinite(ref_lse)
     for splits in (1, 3):
@@ -687,7 +693,7 @@ def test_v_pairs(block_size: int, block_n: int, warps: int, opts: dict[str, obje
                                 return_lse=True, **kw)  # type: ignore[arg-type]  # fmt: skip
         assert_close_to_ref(out, ref, same)
         torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
-        plain = paged_decode(q, kc8, vc8, bt, sl, num_splits=splits, config=replace(cfg, v_pairs=False),
+        plain = paged_decode(q, kc8, vc8, bt, sl, num_splits=splits, config=replace(cfg, v_pairs=False, k_pairs=False),
                              k_scale=ks, v_scale=vs, **kw)  # type: ignore[arg-type]  # fmt: skip
         torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
 

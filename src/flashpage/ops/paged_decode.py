@@ -153,6 +153,16 @@ class PagedAttnConfig:
             at 0.95-1.05x the byte-wise kernel's speed, and with ``maxnreg=128`` (four programs per
             SM instead of two; no spill in the mask-free loop) 1.07-1.10x (the fp8 default; see
             :func:`default_decode_config`).
+        k_pairs: fp8 caches: read K's tile as int16 pairs of bytes too and compute ``Q K^T`` as two
+            dots, the queries' even columns against K's even columns plus the odd against the odd
+            (the queries are split once, before the KV loop). K needs no transposing load, but
+            Triton widens fp8 in the dot-operand layout of an 8-bit type, which permutes the
+            reduction axis; the queries' operand then takes that permutation too, and ptxas copies
+            their registers into each MMA's operand every tile (sm_90, triton 3.9, fp8 default:
+            96 register moves in the mask-free loop per thread per 128-token tile). As 16-bit pairs
+            both operands keep the plain 16-bit layout: the loop takes 596 instructions instead of
+            633 (3.6: 608 instead of 632), 64 byte permutes replacing the moves. Applied where
+            ``v_pairs`` is (same conditions, on the K cache); otherwise ignored.
     """
 
     block_m: int = 0
@@ -173,6 +183,7 @@ class PagedAttnConfig:
     wide_block_n: int = 0
     warp_slices: bool = False
     v_pairs: bool = False
+    k_pairs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps"):
@@ -230,6 +241,7 @@ class PagedAttnConfig:
         extra += f"-wide{self.wide_block_n}" if self.wide_block_n and self.heads_per_program == 0 else ""
         extra += "-ws" if self.warp_slices else ""
         extra += "-vp" if self.v_pairs else ""
+        extra += "-kp" if self.k_pairs else ""
         return f"n{self.block_n}w{self.num_warps}s{self.num_stages}{extra}"
 
 
@@ -335,6 +347,7 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
             num_stages=2 if paged else 3,
             early_v=True,
             v_pairs=pairs,
+            k_pairs=pairs,
             maxnreg=128 if pairs else 0,
             **split_opts,
         )
@@ -483,6 +496,30 @@ def _split_pairs(v16, ASM: tl.constexpr):
 
 
 @triton.jit
+def _qk_dot(q, q2, k, CONVERT_KV: tl.constexpr, DOT_PRECISION: tl.constexpr, K_PAIRS: tl.constexpr,
+            PAIR_ASM: tl.constexpr, SLICED: tl.constexpr):  # fmt: skip
+    """``q K^T`` for a K tile ``k`` of ``(tokens, d)`` (``SLICED``: ``(slices, tokens, d)``), K
+    converted to ``q``'s dtype where ``CONVERT_KV``; with ``K_PAIRS`` ``k`` holds int16 byte pairs
+    and ``q`` / ``q2`` are the queries' even / odd columns."""
+    if K_PAIRS:
+        k, k2 = _split_pairs(k, PAIR_ASM)
+        s = tl.dot(q, _transpose_tile(k.to(q.dtype), SLICED), input_precision=DOT_PRECISION)
+        return tl.dot(q2, _transpose_tile(k2.to(q.dtype), SLICED), acc=s, input_precision=DOT_PRECISION)
+    if CONVERT_KV:
+        k = k.to(q.dtype)
+    return tl.dot(q, _transpose_tile(k, SLICED), input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _transpose_tile(x, SLICED: tl.constexpr):
+    """Swap the last two axes of a 2-D tile or (``SLICED``) of a 3-D batch of tiles."""
+    if SLICED:
+        return tl.permute(x, (0, 2, 1))
+    else:
+        return tl.trans(x)
+
+
+@triton.jit
 def _pv_step(acc, acc2, p, v, alpha, q, CONVERT_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
              V_PAIRS: tl.constexpr, PAIR_ASM: tl.constexpr):  # fmt: skip
     """``acc * alpha + P V`` for tiles of any rank (``alpha`` already broadcast against ``acc``), V
@@ -505,6 +542,7 @@ def _attn_kv_loop(
     l_i,
     m_i,
     q,
+    q2,
     K,
     V,
     desc_k,
@@ -526,7 +564,7 @@ def _attn_kv_loop(
     col_k,
     col_v,
     same_head,
-    offs_d,
+    offs_k,
     offs_v,
     d_ok,
     stride_kb,
@@ -549,6 +587,7 @@ def _attn_kv_loop(
     PREFETCH_TABLE: tl.constexpr,
     WIDE: tl.constexpr,
     V_PAIRS: tl.constexpr,
+    K_PAIRS: tl.constexpr,
     PAIR_ASM: tl.constexpr,
 ):
     """Online-softmax over the KV tokens ``[start, end)`` (``start`` a multiple of ``TOKN``).
@@ -560,7 +599,9 @@ def _attn_kv_loop(
     the sequence end, the sequence's first key ``kv_lo`` (``HAS_KV_START``) and the causal/window
     bounds per row; mask-free tiles are fully visible to every row by construction. ``V_PAIRS``:
     ``V`` is the cache seen as int16 byte pairs (``offs_v`` its pair columns), ``acc`` / ``acc2``
-    accumulate V's even / odd columns; otherwise ``acc2`` is carried unchanged.
+    accumulate V's even / odd columns; otherwise ``acc2`` is carried unchanged. ``K_PAIRS``: ``K``
+    likewise (``offs_k`` its pair columns), ``q`` / ``q2`` the queries' even / odd columns;
+    otherwise ``q2`` is unused.
     """
     # A tile of BLOCK_N columns within one page takes one scalar block id; otherwise one per column.
     # (Not "within TOKN tokens": with 4 heads per program and 16-token tiles of 16-token pages the
@@ -596,7 +637,7 @@ def _attn_kv_loop(
             cache_row = (blk * PAGE_SIZE + start_n % PAGE_SIZE).to(tl.int32)
             k = desc_k.load([cache_row, kv_col])
         else:
-            k = _load_tile(K + k_off[:, None] + offs_d[None, :], n_ok[:, None], d_ok[None, :], MASK, EVEN_D)
+            k = _load_tile(K + k_off[:, None] + offs_k[None, :], n_ok[:, None], d_ok[None, :], MASK, EVEN_D)
         if EARLY_V:
             if TMA_TILE:
                 v = desc_v.load([cache_row, kv_col])
@@ -604,9 +645,7 @@ def _attn_kv_loop(
                 v = _load_tile(
                     V + v_off[:, None] + offs_v[None, :], n_ok[:, None], d_ok[None, :], MASK, EVEN_D
                 )
-        if CONVERT_KV:
-            k = k.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = _qk_dot(q, q2, k, CONVERT_KV, DOT_PRECISION, K_PAIRS, PAIR_ASM, False)
         s = _scores(s, pos[:, None], j[None, :], slopes[:, None], qk_scale, softcap_log2, SOFTCAP, HAS_ALIBI)
         if MASK:
             vis = _visible(pos[:, None], j[None, :], ctx, kv_lo, window_left, window_right, HAS_KV_START)
@@ -635,6 +674,7 @@ def _attn_kv_loop_slices(
     l_i,
     m_i,
     q,
+    q2,
     K,
     V,
     bt_row,
@@ -649,7 +689,7 @@ def _attn_kv_loop_slices(
     softcap_log2,
     window_left,
     window_right,
-    offs_d,
+    offs_k,
     offs_v,
     d_ok,
     stride_kb,
@@ -669,6 +709,7 @@ def _attn_kv_loop_slices(
     EARLY_V: tl.constexpr,
     WIDE: tl.constexpr,
     V_PAIRS: tl.constexpr,
+    K_PAIRS: tl.constexpr,
     PAIR_ASM: tl.constexpr,
 ):
     """:func:`_attn_kv_loop` for one KV head per program with each ``BLOCK_N`` tile cut into
@@ -678,11 +719,12 @@ def _attn_kv_loop_slices(
     / ``m_i`` ``(SLICES, BLOCK_M)``: slice ``s`` accumulates the tokens ``s * BLOCK_N // SLICES +
     [0, BLOCK_N // SLICES)`` of every tile with its own softmax statistics. ``tl.dot`` over the
     leading axis puts one slice per warp when ``SLICES == num_warps``, so no tile reduces across
-    warps; :func:`_merge_slices` combines the slices once. ``V_PAIRS`` as in :func:`_attn_kv_loop`.
+    warps; :func:`_merge_slices` combines the slices once. ``V_PAIRS``, ``K_PAIRS`` and ``q2`` as in
+    :func:`_attn_kv_loop`.
     """
     TS: tl.constexpr = BLOCK_N // SLICES
     offs_t = tl.arange(0, SLICES)[:, None] * TS + tl.arange(0, TS)[None, :]  # (SLICES, TS)
-    offs_d3 = offs_d[None, None, :]
+    offs_k3 = offs_k[None, None, :]
     offs_v3 = offs_v[None, None, :]
     d_ok3 = d_ok[None, None, :]
     rows = pos[None, :, None]
@@ -695,12 +737,10 @@ def _attn_kv_loop_slices(
         n_ok = j < ctx
         if HAS_KV_START:
             n_ok = n_ok & (j >= kv_lo)
-        k = _load_tile(K + k_off[:, :, None] + offs_d3, n_ok[:, :, None], d_ok3, MASK, EVEN_D)
+        k = _load_tile(K + k_off[:, :, None] + offs_k3, n_ok[:, :, None], d_ok3, MASK, EVEN_D)
         if EARLY_V:
             v = _load_tile(V + v_off[:, :, None] + offs_v3, n_ok[:, :, None], d_ok3, MASK, EVEN_D)
-        if CONVERT_KV:
-            k = k.to(q.dtype)
-        s = tl.dot(q, tl.permute(k, (0, 2, 1)), input_precision=DOT_PRECISION)  # (SLICES, BLOCK_M, TS)
+        s = _qk_dot(q, q2, k, CONVERT_KV, DOT_PRECISION, K_PAIRS, PAIR_ASM, True)  # (SLICES, BLOCK_M, TS)
         cols = j[:, None, :]
         s = _scores(s, rows, cols, slopes[None, :, None], qk_scale, softcap_log2, SOFTCAP, HAS_ALIBI)
         if MASK:
@@ -798,6 +838,7 @@ def _paged_attn_kernel(
     PDL: tl.constexpr,
     SLICES: tl.constexpr,
     V_PAIRS: tl.constexpr,
+    K_PAIRS: tl.constexpr,
     PAIR_ASM: tl.constexpr,
 ):
     if PDL:
@@ -921,11 +962,23 @@ def _paged_attn_kernel(
         DV: tl.constexpr = BLOCK_D
         DV2: tl.constexpr = 1
     offs_v = tl.arange(0, DV)
+    # K_PAIRS: K read as int16 byte pairs; Q K^T as the queries' even columns (q) against K's even
+    # columns plus the odd ones (q2) against K's odd columns. Otherwise q2 is unused.
+    if K_PAIRS:
+        tl.static_assert(
+            KV_FP8 and EVEN_D and not USE_TMA, "k_pairs: fp8 caches, power-of-two d, pointer loads"
+        )
+        q, q2 = tl.split(tl.reshape(q, (BLOCK_M, BLOCK_D // 2, 2)))
+        offs_k = tl.arange(0, BLOCK_D // 2)
+    else:
+        q2 = q
+        offs_k = offs_d
 
     # Three passes over [s_lo, s_hi): masked head tiles, mask-free tiles, masked tail tiles.
     if SLICES:
         tl.static_assert(HPP == 1 and not USE_TMA, "warp slices: one KV head per program, pointer loads")
-        q3 = tl.broadcast_to(q[None, :, :], [SLICES, BLOCK_M, BLOCK_D])
+        q3 = tl.broadcast_to(q[None, :, :], [SLICES, BLOCK_M, q.shape[1]])
+        q3b = tl.broadcast_to(q2[None, :, :], [SLICES, BLOCK_M, q2.shape[1]])
         acc3 = tl.zeros([SLICES, BLOCK_M, DV], dtype=tl.float32)
         acc3b = tl.zeros([SLICES, BLOCK_M, DV2], dtype=tl.float32)
         l3 = tl.zeros([SLICES, BLOCK_M], dtype=tl.float32)
@@ -947,17 +1000,17 @@ def _paged_attn_kernel(
             t_hi = s_hi
         if SLICES:
             acc3, acc3b, l3, m3 = _attn_kv_loop_slices(
-                acc3, acc3b, l3, m3, q3, Kh, Vh, bt_row, kv_row, t_lo, t_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
-                window_left, window_right, offs_d, offs_v, d_ok, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, SLICES,
+                acc3, acc3b, l3, m3, q3, q3b, Kh, Vh, bt_row, kv_row, t_lo, t_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
+                window_left, window_right, offs_k, offs_v, d_ok, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, SLICES,
                 PAGE_SIZE, phase != 1, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION,
-                EARLY_V, WIDE_OFFSETS, V_PAIRS, PAIR_ASM,
+                EARLY_V, WIDE_OFFSETS, V_PAIRS, K_PAIRS, PAIR_ASM,
             )  # fmt: skip
         else:
             acc, acc2, l_i, m_i = _attn_kv_loop(
-                acc, acc2, l_i, m_i, q, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, t_lo, t_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
-                window_left, window_right, offs_t, col_k, col_v, same_head, offs_d, offs_v, d_ok, stride_kb, stride_kt,
+                acc, acc2, l_i, m_i, q, q2, Kh, Vh, desc_k, desc_v, kvh * HEAD_DIM, bt_row, kv_row, t_lo, t_hi, ctx, kv_lo, pos, slopes, qk_scale, softcap_log2,
+                window_left, window_right, offs_t, col_k, col_v, same_head, offs_k, offs_v, d_ok, stride_kb, stride_kt,
                 stride_vb, stride_vt, BLOCK_N, TOKN, HPP, PAGE_SIZE, phase != 1, SOFTCAP, HAS_ALIBI, HAS_KV_START, KV_FP8 or UPCAST, EVEN_D, DOT_PRECISION, EARLY_V, USE_TMA, PREFETCH_TABLE,
-                WIDE_OFFSETS, V_PAIRS, PAIR_ASM,
+                WIDE_OFFSETS, V_PAIRS, K_PAIRS, PAIR_ASM,
             )  # fmt: skip
     if SLICES:
         acc, l_i, m_i = _merge_slices(acc3, l3, m3)
@@ -1302,6 +1355,9 @@ def launch_paged_attention(
     v_pairs = v_pairs_apply(config, tiles, v_cache, head_dim, use_tma)
     if v_pairs:  # strides below in int16 units
         v_cache = v_cache.view(torch.int16)
+    k_pairs = k_pairs_apply(config, tiles, k_cache, head_dim, use_tma)
+    if k_pairs:
+        k_cache = k_cache.view(torch.int16)
     grid = paged_grid(config, q_tiles, num_splits, tiles.head_programs, batch)
     heads_first = _heads_first(config, q_tiles * num_splits)
     tensors = (
@@ -1326,7 +1382,7 @@ def launch_paged_attention(
         config, block_m, tiles.heads, q.dtype, k_cache.dtype, out.dtype, q.device.index, head_dim, nheads,
         nheads_k, page_size, cu_seqlens_q is not None, cache_batch_idx is not None, kv_start is not None, softcap > 0,
         None if alibi_slopes is None else (alibi_slopes.dim(), alibi_slopes.stride(0)), split, write_lse, upcast, fused, use_tma,
-        wide, pdl, heads_first, v_pairs,
+        wide, pdl, heads_first, v_pairs, k_pairs,
         q.stride(), k_cache.stride(), v_cache.stride(), out.stride(), aligned(*tensors),
         int_specs(ints),
     )  # fmt: skip
@@ -1345,7 +1401,7 @@ def launch_paged_attention(
             fp32_dot=q.dtype == torch.float32 or upcast, upcast=upcast, varlen_q=cu_seqlens_q is not None,
             batch_idx=cache_batch_idx is not None, kv_start=kv_start is not None, softcap=softcap > 0, alibi=alibi_slopes is not None,
             write_lse=write_lse, fused=fused, use_tma=use_tma, wide=wide, heads_first=heads_first, pdl=pdl,
-            v_pairs=v_pairs,
+            v_pairs=v_pairs, k_pairs=k_pairs,
         )  # fmt: skip
         kwargs.update(num_warps=config.num_warps, num_stages=config.num_stages)
         if config.maxnreg and q.device.type == "cuda":
@@ -1402,14 +1458,15 @@ def paged_kernel_constexprs(
     heads_first: bool = False,
     pdl: bool = False,
     v_pairs: bool = False,
+    k_pairs: bool = False,
 ) -> dict[str, Any]:
     """The compile-time arguments of :func:`_paged_attn_kernel` for one launch (by name).
 
     :func:`launch_paged_attention` derives the flags from its arguments; the offline codegen probe
     (``benchmarks/probes/decode_sass.py``) passes the decode case it compiles. ``page_size`` is
     ``0`` for a contiguous cache; ``fp32_dot``: ``tl.dot`` in IEEE fp32 (fp32 queries, or bf16
-    upcast under the interpreter) instead of tf32/bf16; ``v_pairs``: :func:`v_pairs_apply`'s
-    answer for the launch.
+    upcast under the interpreter) instead of tf32/bf16; ``v_pairs`` / ``k_pairs``:
+    :func:`v_pairs_apply`'s / :func:`k_pairs_apply`'s answer for the launch.
     """
     return {
         "G": group, "HPP": tiles.heads, "HEAD_DIM": head_dim, "BLOCK_D": max(16, next_pow2(head_dim)),
@@ -1419,7 +1476,7 @@ def paged_kernel_constexprs(
         "EARLY_V": config.early_v, "FUSED_COMBINE": fused, "USE_TMA": use_tma,
         "PREFETCH_TABLE": config.prefetch_table, "WIDE_OFFSETS": wide, "HEADS_FIRST": heads_first, "PDL": pdl,
         "SLICES": config.num_warps if config.warp_slices and tiles.block_m <= WARP_SLICE_ROWS else 0,
-        "V_PAIRS": v_pairs, "PAIR_ASM": not interpreter_enabled(),
+        "V_PAIRS": v_pairs, "K_PAIRS": k_pairs, "PAIR_ASM": not interpreter_enabled(),
     }  # fmt: skip
 
 
@@ -1435,15 +1492,27 @@ def v_pairs_apply(
     """Whether a launch reads V as int16 byte pairs (``PagedAttnConfig.v_pairs``): fp8 decode tiles
     (at most :data:`WARP_SLICE_ROWS` rows) of a power-of-two head dim, pointer loads, and a V cache
     that can be viewed as int16 (even element offset and strides)."""
+    return config.v_pairs and _pairs_ok(tiles, v_cache, head_dim, use_tma)
+
+
+def k_pairs_apply(
+    config: PagedAttnConfig, tiles: PagedTiles, k_cache: Tensor, head_dim: int, use_tma: bool
+) -> bool:
+    """Whether a launch reads K as int16 byte pairs (``PagedAttnConfig.k_pairs``): the conditions
+    of :func:`v_pairs_apply`, on the K cache."""
+    return config.k_pairs and _pairs_ok(tiles, k_cache, head_dim, use_tma)
+
+
+def _pairs_ok(tiles: PagedTiles, cache: Tensor, head_dim: int, use_tma: bool) -> bool:
+    """The launches whose ``cache`` tiles can be read as int16 byte pairs (see :func:`v_pairs_apply`)."""
     return (
-        config.v_pairs
-        and is_fp8_dtype(v_cache.dtype)
+        is_fp8_dtype(cache.dtype)
         and tiles.block_m <= WARP_SLICE_ROWS
         and _pairs_head_dim(head_dim)
         and not use_tma
-        and v_cache.stride(-1) == 1
-        and v_cache.storage_offset() % 2 == 0
-        and all(st % 2 == 0 for st in v_cache.stride()[:-1])
+        and cache.stride(-1) == 1
+        and cache.storage_offset() % 2 == 0
+        and all(st % 2 == 0 for st in cache.stride()[:-1])
     )
 
 
