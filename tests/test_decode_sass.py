@@ -35,9 +35,10 @@ def test_bf16_decode_fits_its_programs_per_sm() -> None:
 
 
 def test_fp8_decode_reads_k_and_v_as_byte_pairs_in_four_programs_per_sm() -> None:
-    """fp8 default (128-token tiles, early V, ``v_pairs``, ``k_pairs``, ``maxnreg=128``): at most
-    128 registers (four programs per SM) with no local memory in the mask-free KV loop (the cap
-    spills outside it; triton 3.9 reloads 5 words per masked tile, 3.6 none). V reaches the MMAs
+    """fp8 default (128-token tiles, early V, ``v_pairs``, ``k_pairs``, ``share_kv_offsets``,
+    ``maxnreg=128``): at most 128 registers (four programs per SM) with no local memory in the
+    mask-free KV loop (the cap spills outside it; triton 3.9 reloads a few words per masked tile,
+    3.6 none). V reaches the MMAs
     through 16-bit transposing shared loads and byte permutes, not the 128 byte-wise ``LDS.U8`` per
     thread per tile of the byte path (1.07-1.10x faster on an H100, 2026-12-07); K as 16-bit pairs
     keeps the queries' operand in plain 16-bit layout, so no register copies of it per tile (96

@@ -53,7 +53,8 @@ Rows per shape (GQA 32/8, d=128, block size 16, random page order), timed in rou
 SDPA cuDNN on a contiguous bf16 cache; the library's bf16 default and fp8 decode at the planner's
 split counts (with their combine) in the configurations of ``LIB_VARIANTS``: byte-wise (``bytes``,
 the default before 2026-12-07), V as byte pairs under a 128-register cap (``vpr128``, the default
-of 2026-12-07), K and V as byte pairs (``k_pairs``) uncapped and under a 128- or 96-register cap
+of 2026-12-07), K and V as byte pairs (``k_pairs``) with and without ``share_kv_offsets``, uncapped and
+under a 128- or 96-register cap
 (four or five programs per SM); the probe kernels of ``PROBE_VARIANTS`` (the other modes above were
 timed on an H100 on 2026-12-07 and are dropped from the default list) at the fp8 planner's split
 count. ``ratio_bf16`` is the library bf16 row's time over the row's time (sequences x tokens / s).
@@ -83,11 +84,12 @@ from flashpage.ops.paged_plan import plan_decode, run_decode
 BLOCK_N = 128
 # Library configurations timed beside the defaults (fields replaced in default_decode_config).
 LIB_VARIANTS: dict[str, dict[str, Any]] = {
-    "bytes": {"warp_slices": False, "v_pairs": False, "k_pairs": False, "maxnreg": 0},
-    "vpr128": {"warp_slices": False, "v_pairs": True, "k_pairs": False, "maxnreg": 128},
-    "kvp": {"warp_slices": False, "v_pairs": True, "k_pairs": True, "maxnreg": 0},
-    "kvpr128": {"warp_slices": False, "v_pairs": True, "k_pairs": True, "maxnreg": 128},
-    "kvpr96": {"warp_slices": False, "v_pairs": True, "k_pairs": True, "maxnreg": 96},
+    "bytes": {"v_pairs": False, "k_pairs": False, "share_kv_offsets": False, "maxnreg": 0},
+    "vpr128": {"v_pairs": True, "k_pairs": False, "share_kv_offsets": False, "maxnreg": 128},
+    "kvpr128": {"v_pairs": True, "k_pairs": True, "share_kv_offsets": False, "maxnreg": 128},
+    "kvpso": {"v_pairs": True, "k_pairs": True, "share_kv_offsets": True, "maxnreg": 0},
+    "kvpsor128": {"v_pairs": True, "k_pairs": True, "share_kv_offsets": True, "maxnreg": 128},
+    "kvpsor96": {"v_pairs": True, "k_pairs": True, "share_kv_offsets": True, "maxnreg": 96},
 }
 # (V layout, warps, stages, maxnreg) of the probe kernel's rows.
 PROBE_VARIANTS = (("pair", 4, 2, 0),)

@@ -111,6 +111,7 @@ def compile_sm90(
         config, tiles, group=group, head_dim=head_dim, page_size=16, fp8=kv == "fp8", split=split,
         fp32_dot=False, fused=split and config.fused_combine, wide=not config.narrow_offsets,
         heads_first=config.heads_first, varlen_q=q_len > 1, v_pairs=v_pairs, k_pairs=k_pairs,
+        share_offsets=config.share_kv_offsets and v_pairs == k_pairs,
     )  # fmt: skip
     pointers = {"Q": f"*{q}", "Out": f"*{q}", "K": "*i16" if k_pairs else _PTR_TYPES[kv],
                 "V": "*i16" if v_pairs else _PTR_TYPES[kv],

@@ -726,6 +726,27 @@ def test_v_pairs_applies_where_it_can() -> None:
     assert_close_to_ref(out, ref, same)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_share_kv_offsets_only_for_equal_strides(fp8: bool) -> None:
+    """``share_kv_offsets`` reads V at K's offsets only where the strides (as the kernel reads the
+    caches) agree: a V cache inside a wider buffer (other strides) decodes as without the option."""
+    lens, nheads, nheads_k, d = [9, 40, 33], 8, 2, 32
+    kc, vc, bt, sl = make_paged_cache(lens, 8, nheads_k, d)
+    if fp8:
+        kc, vc, ks, vs, kd, vd = _fp8_caches(kc, vc)
+        scales: dict[str, Tensor] = {"k_scale": ks, "v_scale": vs}
+    else:
+        kd, vd, scales = kc, vc, {}
+    wide = torch.zeros(*vc.shape[:-1], 2 * d, dtype=vc.dtype)
+    wide[..., :d] = vc
+    q = torch.randn(len(lens), 1, nheads, d)
+    ref, _, same = _refs(q, kd, vd, bt, sl, causal=True)
+    cfg = PagedAttnConfig(block_n=32, num_warps=2, share_kv_offsets=True, v_pairs=fp8, k_pairs=fp8)
+    for v_cache in (vc, wide[..., :d]):
+        out = paged_decode(q, kc, v_cache, bt, sl, num_splits=2, config=cfg, **scales)  # type: ignore[arg-type]
+        assert_close_to_ref(out, ref, same)
+
+
 def test_warp_slices_contiguous_cache_leftpad(monkeypatch: pytest.MonkeyPatch) -> None:
     """Warp slices over a contiguous cache (no page table) with left padding (keys before
     ``cache_leftpad`` hidden): equal to the unsliced kernel."""
