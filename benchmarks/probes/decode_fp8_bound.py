@@ -54,7 +54,7 @@ SDPA cuDNN on a contiguous bf16 cache; the library's bf16 default and fp8 decode
 split counts (with their combine) in the configurations of ``LIB_VARIANTS``: byte-wise (``bytes``,
 the default before 2026-12-07), V as byte pairs under a 128-register cap (``vpr128``, the default
 of 2026-12-07), K and V as byte pairs (``k_pairs``) with and without ``share_kv_offsets``, uncapped and
-under a 128- or 96-register cap
+under a 128- or 96-register cap, and bf16 with ``share_kv_offsets`` (``BF16_VARIANTS``)
 (four or five programs per SM); the probe kernels of ``PROBE_VARIANTS`` (the other modes above were
 timed on an H100 on 2026-12-07 and are dropped from the default list) at the fp8 planner's split
 count. ``ratio_bf16`` is the library bf16 row's time over the row's time (sequences x tokens / s).
@@ -91,6 +91,8 @@ LIB_VARIANTS: dict[str, dict[str, Any]] = {
     "kvpsor128": {"v_pairs": True, "k_pairs": True, "share_kv_offsets": True, "maxnreg": 128},
     "kvpsor96": {"v_pairs": True, "k_pairs": True, "share_kv_offsets": True, "maxnreg": 96},
 }
+# bf16 configurations timed beside the bf16 default.
+BF16_VARIANTS: dict[str, dict[str, Any]] = {"so": {"share_kv_offsets": True}}
 # (V layout, warps, stages, maxnreg) of the probe kernel's rows.
 PROBE_VARIANTS = (("pair", 4, 2, 0),)
 
@@ -312,7 +314,7 @@ def probe_shape(
         fp8 = kv == "fp8"
         cfg = default_decode_config(f8 if fp8 else dt, d)
         if variant != "default":
-            cfg = replace(cfg, **LIB_VARIANTS[variant])
+            cfg = replace(cfg, **(LIB_VARIANTS if fp8 else BF16_VARIANTS)[variant])
         plan = plan_decode(b, h, hk, d, block_size=bs, max_seqlen_k=ctx, q_dtype=dt, device=dev,
                            kv_dtype=f8 if fp8 else None, config=cfg)  # fmt: skip
         if fp8:
@@ -327,7 +329,12 @@ def probe_shape(
 
     # fp8 variants spell out every field they compare, whichever the default is (the planner's
     # split count is the same: fp8 programs own one KV head either way).
-    for kv, variant in (("bf16", "default"), *(("fp8", v) for v in LIB_VARIANTS)):
+    lib_rows = (
+        ("bf16", "default"),
+        *(("fp8", v) for v in LIB_VARIANTS),
+        *(("bf16", v) for v in BF16_VARIANTS),
+    )
+    for kv, variant in lib_rows:
         try:  # a variant that fails to build or to match is reported, not timed
             rows.append(lib(kv, variant))
         except Exception as exc:
