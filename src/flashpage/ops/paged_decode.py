@@ -257,7 +257,8 @@ class PagedAttnConfig:
 def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = True) -> PagedAttnConfig:
     """Decode defaults: 64-column tiles, 4 warps, for d <= 128 as many KV heads per program as fill
     16 query rows (GQA 4: 4 heads, 16 tokens per tile); fp8 KV: 128-token tiles of one head, 4
-    warps, early V load and, for a power-of-two head dim, V read as byte pairs (``v_pairs``) under a
+    warps, early V load, one offset computation for K and V (``share_kv_offsets``) and, for a
+    power-of-two head dim, K and V read as byte pairs (``k_pairs``, ``v_pairs``) under a
     128-register cap; contiguous caches (``paged=False``) a deeper pipeline; with split-KV the
     KV-head-first grid and a programmatic-dependent combine of 32-column, one-warp programs.
 
@@ -329,6 +330,12 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     fb1d4bc (``benchmarks/results/decode-h100.json``) 1.79-1.93x on the six shapes. With one
     program's loads in flight per tile and a long dependent chain of shared loads, conversions and
     MMAs per tile, resident programs are what hides the latency. Not yet timed on an H200.
+
+    Also since 2026-12-07 (offline sm_90, the mask-free loop per thread per 128-token tile): K read
+    as byte pairs too (``k_pairs``: the queries' MMA operand no longer copied register by register
+    every tile, 96 moves) and K's offsets reused for V (``share_kv_offsets``: one shared-memory
+    layout change and two barriers fewer) take that loop from 633 to 568 instructions (triton 3.9;
+    3.6: 632 to 583), with 40 / 16 bytes of stack instead of 40 / 8 (none touched in that loop).
 
     The block-table indirection halves the load latency Triton's pipeliner assigns (``(num_stages -
     1) // 2`` stages ahead), so 2 stages issue a tile's loads one iteration ahead into one buffer; 5
