@@ -34,26 +34,39 @@ def test_bf16_decode_fits_its_programs_per_sm() -> None:
         assert not any(op.startswith(("LDG.E.U16", "LDS.U16", "LDS.U8")) for op in mask_free), mask_free
 
 
-def test_fp8_decode_reads_k_and_v_as_byte_pairs_in_four_programs_per_sm() -> None:
-    """fp8 default (128-token tiles, early V, ``v_pairs``, ``k_pairs``, ``share_kv_offsets``,
-    ``maxnreg=128``): at most 128 registers (four programs per SM) with no local memory in the
-    mask-free KV loop (the cap spills outside it; triton 3.9 reloads a few words per masked tile,
-    3.6 none). V reaches the MMAs
-    through 16-bit transposing shared loads and byte permutes, not the 128 byte-wise ``LDS.U8`` per
-    thread per tile of the byte path (1.07-1.10x faster on an H100, 2026-12-07); K as 16-bit pairs
-    keeps the queries' operand in plain 16-bit layout, so no register copies of it per tile (96
-    ``IMAD.MOV`` with K widened from bytes)."""
+def test_fp8_decode_reads_v_as_byte_pairs_in_four_programs_per_sm() -> None:
+    """fp8 default (128-token tiles, early V, ``v_pairs``, ``maxnreg=128``): at most 128 registers
+    (four programs per SM) with no local memory in the mask-free KV loop (the cap spills outside
+    it; triton 3.9 reloads one word per masked tile, 3.6 none), and V reaches the MMAs through
+    16-bit transposing shared loads and byte permutes, not the 128 byte-wise ``LDS.U8`` per thread
+    per tile of the byte path (1.07-1.10x faster on an H100, 2026-12-07)."""
     rep = _report("--kv", "fp8")
     assert rep["registers"] <= 128, rep["registers"]
     assert rep["stack_bytes"] <= 64, rep["stack_bytes"]
     for loop in rep["loops"]:
-        assert sum(n for op, n in loop["ops"].items() if op.startswith(("LDL", "STL"))) <= 8, loop["ops"]
+        assert sum(n for op, n in loop["ops"].items() if op.startswith(("LDL", "STL"))) <= 1, loop["ops"]
     mask_free = rep["loops"][1]["ops"]
     assert not any(op.startswith(("LDL", "STL")) for op in mask_free), mask_free
     assert mask_free.get("HMMA.16816.F32", 0) == 64, mask_free
     assert "LDS.U8" not in mask_free, mask_free
-    assert mask_free.get("PRMT", 0) == 128 and mask_free.get("LDSM.16.MT88.4", 0) == 8, mask_free
+    assert mask_free.get("PRMT", 0) == 64 and mask_free.get("LDSM.16.MT88.4", 0) == 8, mask_free
+
+
+def test_fp8_decode_k_pairs_and_shared_offsets_trim_the_kv_loop() -> None:
+    """The fp8 default plus ``k_pairs`` and ``share_kv_offsets`` (candidates, not yet timed): still
+    at most 128 registers and no local memory in the mask-free loop; K as 16-bit pairs keeps the
+    queries' MMA operand in the plain 16-bit layout, so ptxas no longer copies it into each MMA
+    every tile (96 ``IMAD.MOV`` with K widened from bytes), and one offset computation for K and V
+    saves a shared-memory layout change (8 barriers per tile instead of 10)."""
+    rep = _report("--kv", "fp8", "k_pairs=True", "share_kv_offsets=True")
+    assert rep["config"].endswith("-vp-kp-so"), rep["config"]
+    assert rep["registers"] <= 128 and rep["stack_bytes"] <= 64, rep
+    mask_free = rep["loops"][1]["ops"]
+    assert not any(op.startswith(("LDL", "STL")) for op in mask_free), mask_free
+    assert mask_free.get("HMMA.16816.F32", 0) == 64 and "LDS.U8" not in mask_free, mask_free
+    assert mask_free.get("PRMT", 0) == 128, mask_free
     assert mask_free.get("IMAD.MOV.U32", 0) <= 8, mask_free
+    assert mask_free.get("BAR.SYNC.DEFER_BLOCKING", 0) <= 8, mask_free
 
 
 def test_chunked_prefill_mask_free_loop_runs_on_wgmma_without_spills() -> None:

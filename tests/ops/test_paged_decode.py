@@ -230,9 +230,9 @@ def test_grid_order_and_decode_defaults() -> None:
     # fp8: byte pairs under the 128-register cap where the head dim allows the pairs; otherwise
     # neither (the byte path spills at 128 registers).
     f8 = default_decode_config(torch.float8_e4m3fn, 128)
-    assert f8.v_pairs and f8.k_pairs and f8.maxnreg == 128
+    assert f8.v_pairs and f8.maxnreg == 128
     f8_96 = default_decode_config(torch.float8_e4m3fn, 96)
-    assert not f8_96.v_pairs and not f8_96.k_pairs and f8_96.maxnreg == 0
+    assert not f8_96.v_pairs and f8_96.maxnreg == 0
     plan = plan_decode(
         2, 8, 2, 32, block_size=16, max_seqlen_k=256, q_dtype=torch.float32, device="cpu", num_splits=3
     )

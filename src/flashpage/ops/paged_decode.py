@@ -162,14 +162,16 @@ class PagedAttnConfig:
             96 register moves in the mask-free loop per thread per 128-token tile). As 16-bit pairs
             both operands keep the plain 16-bit layout: the loop takes 596 instructions instead of
             633 (3.6: 608 instead of 632), 64 byte permutes replacing the moves. Applied where
-            ``v_pairs`` is (same conditions, on the K cache); otherwise ignored.
+            ``v_pairs`` is (same conditions, on the K cache); otherwise ignored. Not yet timed,
+            so off by default (see :func:`default_decode_config`).
         share_kv_offsets: where the K and V caches, as the kernel reads them, have the same strides
             (the usual case: two tensors of one shape), compute each tile's cache offsets once for
             both. Triton otherwise builds K's and V's offsets apart and moves each into its load
             layout through shared memory (a store, a barrier and four loads per thread per tile).
-            Offline (sm_90, triton 3.9, mask-free loop per thread per tile): fp8 default 596 -> 568
-            instructions; bf16 4-head tiles 419 -> 376, but one-head bf16 tiles take 154 registers
-            instead of 106 (three programs per SM instead of four), so bf16 leaves it off.
+            Offline (sm_90, triton 3.9, mask-free loop per thread per tile): the fp8 default with
+            ``k_pairs`` 596 -> 568 instructions; bf16 4-head tiles 419 -> 376, but one-head bf16
+            tiles take 154 registers instead of 106 (three programs per SM instead of four). Not
+            yet timed; off by default.
     """
 
     block_m: int = 0
@@ -257,8 +259,7 @@ class PagedAttnConfig:
 def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = True) -> PagedAttnConfig:
     """Decode defaults: 64-column tiles, 4 warps, for d <= 128 as many KV heads per program as fill
     16 query rows (GQA 4: 4 heads, 16 tokens per tile); fp8 KV: 128-token tiles of one head, 4
-    warps, early V load, one offset computation for K and V (``share_kv_offsets``) and, for a
-    power-of-two head dim, K and V read as byte pairs (``k_pairs``, ``v_pairs``) under a
+    warps, early V load and, for a power-of-two head dim, V read as byte pairs (``v_pairs``) under a
     128-register cap; contiguous caches (``paged=False``) a deeper pipeline; with split-KV the
     KV-head-first grid and a programmatic-dependent combine of 32-column, one-warp programs.
 
@@ -331,11 +332,14 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     program's loads in flight per tile and a long dependent chain of shared loads, conversions and
     MMAs per tile, resident programs are what hides the latency. Not yet timed on an H200.
 
-    Also since 2026-12-07 (offline sm_90, the mask-free loop per thread per 128-token tile): K read
-    as byte pairs too (``k_pairs``: the queries' MMA operand no longer copied register by register
-    every tile, 96 moves) and K's offsets reused for V (``share_kv_offsets``: one shared-memory
-    layout change and two barriers fewer) take that loop from 633 to 568 instructions (triton 3.9;
-    3.6: 632 to 583), with 40 / 16 bytes of stack instead of 40 / 8 (none touched in that loop).
+    Candidates for this default, not yet timed (no device machine could be started on
+    2026-12-07, morning): K read as byte pairs too (``k_pairs``: the queries' MMA operand no longer
+    copied register by register every tile, 96 moves) and K's offsets reused for V
+    (``share_kv_offsets``: one shared-memory layout change and two barriers fewer) take the
+    mask-free loop (offline sm_90, per thread per 128-token tile, under the same cap) from 633 to
+    568 instructions (triton 3.9; 3.6: 632 to 583), 40 / 16 bytes of stack instead of 40 / 8, none
+    touched in that loop. ``benchmarks/probes/decode_fp8_bound.py`` times them against this default
+    (rows ``kvpr128``, ``kvpsor128``, ``vpr128``); they become the default only if they read faster.
 
     The block-table indirection halves the load latency Triton's pipeliner assigns (``(num_stages -
     1) // 2`` stages ahead), so 2 stages issue a tile's loads one iteration ahead into one buffer; 5
@@ -363,8 +367,6 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
             num_stages=2 if paged else 3,
             early_v=True,
             v_pairs=pairs,
-            k_pairs=pairs,
-            share_kv_offsets=True,
             maxnreg=128 if pairs else 0,
             **split_opts,
         )
