@@ -747,6 +747,31 @@ def test_share_kv_offsets_only_for_equal_strides(fp8: bool) -> None:
         assert_close_to_ref(out, ref, same)
 
 
+def test_byte_pairs_contiguous_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8 K and V read as byte pairs with shared offsets over a contiguous cache (no page table),
+    with left padding and ``cache_batch_idx``: equal to the byte-wise kernel."""
+    import flashpage.ops.kvcache as kvcache
+
+    batch, s_cache, nheads, nheads_k, d = 3, 80, 8, 2, 32
+    kc8, vc8, ks, vs, _, _ = _fp8_caches(
+        torch.randn(4, s_cache, nheads_k, d), torch.randn(4, s_cache, nheads_k, d)
+    )
+    q = torch.randn(batch, 1, nheads, d)
+    kw = {"cache_seqlens": torch.tensor([5, 80, 47], dtype=torch.int32),
+          "cache_leftpad": torch.tensor([0, 33, 10], dtype=torch.int32), "num_splits": 2,
+          "cache_batch_idx": torch.tensor([3, 0, 2], dtype=torch.int32), "k_scale": ks, "v_scale": vs}  # fmt: skip
+    cfg = PagedAttnConfig(block_n=32, num_warps=2)
+    monkeypatch.setattr(kvcache, "kv_attention_config", lambda *a, **k: cfg)
+    plain = kvcache.flash_attn_with_kvcache(q, kc8, vc8, **kw)  # type: ignore[arg-type]
+    cfg_pairs = replace(cfg, k_pairs=True, v_pairs=True, share_kv_offsets=True)
+    tiles = paged_tiles(cfg_pairs, 1, nheads, nheads_k, kc8.dtype)
+    assert k_pairs_apply(cfg_pairs, tiles, kc8, d, use_tma=False)
+    assert v_pairs_apply(cfg_pairs, tiles, vc8, d, use_tma=False)
+    monkeypatch.setattr(kvcache, "kv_attention_config", lambda *a, **k: cfg_pairs)
+    pairs = kvcache.flash_attn_with_kvcache(q, kc8, vc8, **kw)  # type: ignore[arg-type]
+    torch.testing.assert_close(pairs, plain, atol=1e-5, rtol=1e-5)
+
+
 def test_warp_slices_contiguous_cache_leftpad(monkeypatch: pytest.MonkeyPatch) -> None:
     """Warp slices over a contiguous cache (no page table) with left padding (keys before
     ``cache_leftpad`` hidden): equal to the unsliced kernel."""
