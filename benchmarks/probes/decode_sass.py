@@ -73,11 +73,10 @@ from flashpage.ops.paged_decode import (
     PagedAttnConfig,
     _paged_attn_kernel,
     default_decode_config,
-    k_pairs_apply,
     kv_heads_per_program,
+    kv_read_views,
     paged_kernel_constexprs,
     paged_tiles,
-    v_pairs_apply,
     with_heads,
 )
 from flashpage.ops.paged_prefill import default_prefill_config
@@ -103,15 +102,16 @@ def compile_sm90(
     config = resolved(config, kv, group, nheads_k, q_len)
     tiles = paged_tiles(config, q_len, group * nheads_k, nheads_k, _KV_DTYPES[kv])
     q = "fp16" if kv == "fp8" else kv
-    # The launcher's pair rules on a cache of this launch's shape (contiguous, offset 0).
+    # The launcher's views and flags for caches of this launch's shape (contiguous, offset 0).
     cache = torch.empty(1, 16, nheads_k, head_dim, dtype=_KV_DTYPES[kv], device="meta")
-    v_pairs = v_pairs_apply(config, tiles, cache, head_dim, use_tma=False)
-    k_pairs = k_pairs_apply(config, tiles, cache, head_dim, use_tma=False)
+    _, _, k_pairs, v_pairs, share_offsets = kv_read_views(
+        config, tiles, cache, cache, head_dim, use_tma=False
+    )
     consts = paged_kernel_constexprs(
         config, tiles, group=group, head_dim=head_dim, page_size=16, fp8=kv == "fp8", split=split,
         fp32_dot=False, fused=split and config.fused_combine, wide=not config.narrow_offsets,
         heads_first=config.heads_first, varlen_q=q_len > 1, v_pairs=v_pairs, k_pairs=k_pairs,
-        share_offsets=config.share_kv_offsets and v_pairs == k_pairs,
+        share_offsets=share_offsets,
     )  # fmt: skip
     pointers = {"Q": f"*{q}", "Out": f"*{q}", "K": "*i16" if k_pairs else _PTR_TYPES[kv],
                 "V": "*i16" if v_pairs else _PTR_TYPES[kv],

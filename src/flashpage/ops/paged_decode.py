@@ -1376,13 +1376,10 @@ def launch_paged_attention(
     else:
         desc_k, desc_v = k_cache, v_cache
     wide = wide_offsets(config, k_cache, v_cache, paged)
-    v_pairs = v_pairs_apply(config, tiles, v_cache, head_dim, use_tma)
-    if v_pairs:  # strides below in int16 units
-        v_cache = v_cache.view(torch.int16)
-    k_pairs = k_pairs_apply(config, tiles, k_cache, head_dim, use_tma)
-    if k_pairs:
-        k_cache = k_cache.view(torch.int16)
-    share_offsets = config.share_kv_offsets and k_cache.stride() == v_cache.stride()
+    # Strides below in the units the kernel reads (int16 for caches read as byte pairs).
+    k_cache, v_cache, k_pairs, v_pairs, share_offsets = kv_read_views(
+        config, tiles, k_cache, v_cache, head_dim, use_tma
+    )
     grid = paged_grid(config, q_tiles, num_splits, tiles.head_programs, batch)
     heads_first = _heads_first(config, q_tiles * num_splits)
     tensors = (
@@ -1529,6 +1526,23 @@ def k_pairs_apply(
     """Whether a launch reads K as int16 byte pairs (``PagedAttnConfig.k_pairs``): the conditions
     of :func:`v_pairs_apply`, on the K cache."""
     return config.k_pairs and _pairs_ok(tiles, k_cache, head_dim, use_tma)
+
+
+def kv_read_views(
+    config: PagedAttnConfig, tiles: PagedTiles, k_cache: Tensor, v_cache: Tensor, head_dim: int, use_tma: bool
+) -> tuple[Tensor, Tensor, bool, bool, bool]:
+    """The caches as one launch's kernel reads them: ``(k_cache, v_cache, k_pairs, v_pairs,
+    share_offsets)``. A cache read as byte pairs (:func:`k_pairs_apply`, :func:`v_pairs_apply`) is
+    viewed as int16 (last dim and strides halved); ``share_offsets`` is
+    ``PagedAttnConfig.share_kv_offsets`` where the two views have equal strides."""
+    k_pairs = k_pairs_apply(config, tiles, k_cache, head_dim, use_tma)
+    v_pairs = v_pairs_apply(config, tiles, v_cache, head_dim, use_tma)
+    if k_pairs:
+        k_cache = k_cache.view(torch.int16)
+    if v_pairs:
+        v_cache = v_cache.view(torch.int16)
+    share_offsets = config.share_kv_offsets and k_cache.stride() == v_cache.stride()
+    return k_cache, v_cache, k_pairs, v_pairs, share_offsets
 
 
 def _pairs_ok(tiles: PagedTiles, cache: Tensor, head_dim: int, use_tma: bool) -> bool:
