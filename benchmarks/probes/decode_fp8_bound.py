@@ -46,8 +46,7 @@ the registers of ``std``.
 
 (``vt`` reads V with ``LDSM`` and still converts every element, 128 ``F2FP`` per tile; the
 ``IMAD.MOV`` of the unsliced kernels copy the ``Q`` and ``P`` operands reloaded from shared memory
-into ``HMMA`` register quads.) Not yet timed: no device machine could be started in the session that
-wrote it (2026-12-06, late evening).
+into ``HMMA`` register quads.) Timings (H100, 2026-12-07): ``benchmarks/README.md``.
 
 Rows per shape (GQA 32/8, d=128, block size 16, random page order), timed in round-robin rounds:
 SDPA cuDNN on a contiguous bf16 cache; the library's bf16 default and fp8 decode at the planner's

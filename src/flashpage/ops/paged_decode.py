@@ -332,14 +332,17 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     program's loads in flight per tile and a long dependent chain of shared loads, conversions and
     MMAs per tile, resident programs are what hides the latency. Not yet timed on an H200.
 
-    Candidates for this default, not yet timed (no device machine could be started on
-    2026-12-07, morning): K read as byte pairs too (``k_pairs``: the queries' MMA operand no longer
-    copied register by register every tile, 96 moves) and K's offsets reused for V
-    (``share_kv_offsets``: one shared-memory layout change and two barriers fewer) take the
-    mask-free loop (offline sm_90, per thread per 128-token tile, under the same cap) from 633 to
-    568 instructions (triton 3.9; 3.6: 632 to 583), 40 / 16 bytes of stack instead of 40 / 8, none
-    touched in that loop. ``benchmarks/probes/decode_fp8_bound.py`` times them against this default
-    (rows ``kvpr128``, ``kvpsor128``, ``vpr128``); they become the default only if they read faster.
+    Options timed against this default and left off: K read as byte pairs too (``k_pairs``: the
+    queries' MMA operand no longer copied register by register every tile, 96 moves) and K's
+    offsets reused for V (``share_kv_offsets``: one shared-memory layout change and two barriers
+    fewer) take the mask-free loop (offline sm_90, per thread per 128-token tile, under the same
+    cap) from 633 to 568 instructions (triton 3.9; 3.6: 632 to 583), but on the H100
+    (2026-12-07, ``decode_fp8_bound.py``, two runs, same shapes as above) they read the same or up
+    to 1% slower: ``k_pairs`` 1.93 / 1.86 / 1.90 / 1.78x, both 1.93-1.94 / 1.84-1.86 / 1.89-1.90 /
+    1.78-1.79x against this default's 1.94 / 1.85-1.88 / 1.90-1.91 / 1.79x; uncapped (3 programs
+    per SM) 1.58-1.86x, capped at 96 registers 1.63-1.76x. There this default already reads the
+    device-copy bandwidth at b32/32k (``bench decode``: 1.00 of the copy roofline), so fewer
+    instructions cannot show; on the H200's faster memory they might, untimed there.
 
     The block-table indirection halves the load latency Triton's pipeliner assigns (``(num_stages -
     1) // 2`` stages ahead), so 2 stages issue a tile's loads one iteration ahead into one buffer; 5
