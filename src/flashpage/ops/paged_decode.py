@@ -330,7 +330,9 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     1.63x, the pairs without the cap 1.70 / 1.61 / 1.83 / 1.59x; ``flashpage bench decode`` at
     fb1d4bc (``benchmarks/results/decode-h100.json``) 1.79-1.93x on the six shapes. With one
     program's loads in flight per tile and a long dependent chain of shared loads, conversions and
-    MMAs per tile, resident programs are what hides the latency. Not yet timed on an H200.
+    MMAs per tile, resident programs are what hides the latency. H200 (2026-12-07, same probe and
+    shapes): 1.89 / 1.82 / 1.84 / 1.70x, the previous default 1.38 / 1.35 / 1.36 / 1.32x;
+    ``flashpage bench decode`` at 61a4346 (``benchmarks/results/decode-h200.json``) 1.71-1.84x.
 
     Options timed against this default and left off: K read as byte pairs too (``k_pairs``: the
     queries' MMA operand no longer copied register by register every tile, 96 moves) and K's
@@ -342,7 +344,8 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     1.78-1.79x against this default's 1.94 / 1.85-1.88 / 1.90-1.91 / 1.79x; uncapped (3 programs
     per SM) 1.58-1.86x, capped at 96 registers 1.63-1.76x. There this default already reads the
     device-copy bandwidth at b32/32k (``bench decode``: 1.00 of the copy roofline), so fewer
-    instructions cannot show; on the H200's faster memory they might, untimed there.
+    instructions cannot show. On the H200 (same day) neither: ``k_pairs`` 1.87 / 1.81 / 1.83 /
+    1.69x, both 1.86 / 1.81 / 1.83 / 1.69x against this default's 1.89 / 1.82 / 1.84 / 1.70x.
 
     The block-table indirection halves the load latency Triton's pipeliner assigns (``(num_stages -
     1) // 2`` stages ahead), so 2 stages issue a tile's loads one iteration ahead into one buffer; 5
