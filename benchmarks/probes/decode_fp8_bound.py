@@ -59,12 +59,14 @@ timed on an H100 on 2026-12-07 and are dropped from the default list) at the fp8
 count. ``ratio_bf16`` is the library bf16 row's time over the row's time (sequences x tokens / s).
 
 Run on the GPU: ``cd benchmarks/probes && PYTHONPATH=../../src:. python decode_fp8_bound.py [out.json]``
-(``SHAPES=32:32768:0,...`` for fewer shapes); ``DEV=cpu TRITON_INTERPRET=1 ... --tiny`` checks the
-script on a CPU.
+(``SHAPES=32:32768:0,...`` for fewer shapes; ``SHAPES=64:4096:2/4`` adds the fp8 rows at 2 and 4
+splits; ``LIB=vpr128,bytes`` narrows the fp8 variants); ``DEV=cpu TRITON_INTERPRET=1 ... --tiny``
+checks the script on a CPU.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -82,13 +84,18 @@ from flashpage.ops.paged_plan import plan_decode, run_decode
 
 BLOCK_N = 128
 # Library configurations timed beside the defaults (fields replaced in default_decode_config).
+_VPR128: dict[str, Any] = {"v_pairs": True, "k_pairs": False, "share_kv_offsets": False, "maxnreg": 128}
 LIB_VARIANTS: dict[str, dict[str, Any]] = {
     "bytes": {"v_pairs": False, "k_pairs": False, "share_kv_offsets": False, "maxnreg": 0},
-    "vpr128": {"v_pairs": True, "k_pairs": False, "share_kv_offsets": False, "maxnreg": 128},
+    "vpr128": _VPR128,
     "kvpr128": {"v_pairs": True, "k_pairs": True, "share_kv_offsets": False, "maxnreg": 128},
     "kvpso": {"v_pairs": True, "k_pairs": True, "share_kv_offsets": True, "maxnreg": 0},
     "kvpsor128": {"v_pairs": True, "k_pairs": True, "share_kv_offsets": True, "maxnreg": 128},
     "kvpsor96": {"v_pairs": True, "k_pairs": True, "share_kv_offsets": True, "maxnreg": 96},
+    # the default's pairs and cap with 64-token tiles, and / or 5 stages (two tiles in flight)
+    "vpr128n64": {**_VPR128, "block_n": 64},
+    "vpr128n64s5": {**_VPR128, "block_n": 64, "num_stages": 5},
+    "vpr128s5": {**_VPR128, "num_stages": 5},
 }
 # bf16 configurations timed beside the bf16 default.
 BF16_VARIANTS: dict[str, dict[str, Any]] = {"so": {"share_kv_offsets": True}}
@@ -287,8 +294,9 @@ def probe_shape(
     tiny: bool,
     bench: Callable[[Callable[[], Any]], float],
 ) -> list[dict[str, Any]]:
-    """Rows of one ``(batch, ctx)`` shape (``split_list`` unused: the fp8 planner's count is used)."""
-    del split_list, tiny
+    """Rows of one ``(batch, ctx)`` shape: every row at the planner's split count, plus the fp8
+    variants of ``LIB`` (default: all) again at each count of ``split_list``."""
+    del tiny
     h, hk, d, bs = SHAPE
     dt, f8 = torch.bfloat16, torch.float8_e4m3fn
     kc = torch.randn(b * ctx // bs, bs, hk, d, device=dev, dtype=dt)
@@ -309,13 +317,13 @@ def probe_shape(
     ref8 = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, enable_gqa=True)[:, :, 0]
     del kd, vd
 
-    def lib(kv: str, variant: str = "default") -> tuple[dict[str, Any], Callable[[], Any]]:
+    def lib(kv: str, variant: str = "default", splits: int = 0) -> tuple[dict[str, Any], Callable[[], Any]]:
         fp8 = kv == "fp8"
         cfg = default_decode_config(f8 if fp8 else dt, d)
         if variant != "default":
             cfg = replace(cfg, **(LIB_VARIANTS if fp8 else BF16_VARIANTS)[variant])
         plan = plan_decode(b, h, hk, d, block_size=bs, max_seqlen_k=ctx, q_dtype=dt, device=dev,
-                           kv_dtype=f8 if fp8 else None, config=cfg)  # fmt: skip
+                           kv_dtype=f8 if fp8 else None, config=cfg, num_splits=splits)  # fmt: skip
         if fp8:
             fn = lambda: run_decode(plan, q, k8, v8, bt, seqlens, k_scale=ks, v_scale=vs)
             err = (fn().float() - ref8.float()).abs().max().item()
@@ -328,16 +336,20 @@ def probe_shape(
 
     # fp8 variants spell out every field they compare, whichever the default is (the planner's
     # split count is the same: fp8 programs own one KV head either way).
+    fp8_variants = [v for v in os.environ.get("LIB", ",".join(LIB_VARIANTS)).split(",") if v]
     lib_rows = (
-        ("bf16", "default"),
-        *(("fp8", v) for v in LIB_VARIANTS),
-        *(("bf16", v) for v in BF16_VARIANTS),
+        ("bf16", "default", 0),
+        *(("fp8", v, 0) for v in fp8_variants),
+        *(("bf16", v, 0) for v in BF16_VARIANTS),
+        *(("fp8", v, s) for s in split_list if s > 0 for v in fp8_variants),
     )
-    for kv, variant in lib_rows:
+    for kv, variant, n in lib_rows:
         try:  # a variant that fails to build or to match is reported, not timed
-            rows.append(lib(kv, variant))
+            rows.append(lib(kv, variant, n))
         except Exception as exc:
-            print(f"b{b}/{ctx} lib {kv} {variant} skipped: {type(exc).__name__}: {exc}"[:400], flush=True)
+            print(
+                f"b{b}/{ctx} lib {kv} {variant} s{n} skipped: {type(exc).__name__}: {exc}"[:400], flush=True
+            )
     splits = next(r["splits"] for r, _ in rows if r.get("kv") == "fp8")
     while ctx % (splits * BLOCK_N):
         splits //= 2
@@ -369,7 +381,10 @@ def probe_shape(
     for r in out:
         if t_bf16:
             r["ratio_bf16"] = round(t_bf16 / r["ms"], 3)
-    print([(r.get("impl"), r.get("kv"), r.get("variant"), r.get("ratio_bf16")) for r in out], flush=True)
+    print(
+        [(r.get("impl"), r.get("kv"), r.get("variant"), r.get("splits"), r.get("ratio_bf16")) for r in out],
+        flush=True,
+    )
     return out
 
 
