@@ -53,11 +53,12 @@ def test_fp8_decode_reads_v_as_byte_pairs_in_four_programs_per_sm() -> None:
 
 
 def test_fp8_decode_k_pairs_and_shared_offsets_trim_the_kv_loop() -> None:
-    """The fp8 default plus ``k_pairs`` and ``share_kv_offsets`` (options; on the H100 they read no faster, 2026-12-07): still
-    at most 128 registers and no local memory in the mask-free loop; K as 16-bit pairs keeps the
-    queries' MMA operand in the plain 16-bit layout, so ptxas no longer copies it into each MMA
-    every tile (96 ``IMAD.MOV`` with K widened from bytes), and one offset computation for K and V
-    saves a shared-memory layout change (8 barriers per tile instead of 10)."""
+    """The fp8 default plus ``k_pairs`` and ``share_kv_offsets`` (options, off: on the H100 and the
+    H200 they read no faster, 2026-12-07): still at most 128 registers and no local memory in the
+    mask-free loop; K as 16-bit pairs keeps the queries' MMA operand in the plain 16-bit layout, so
+    ptxas no longer copies it into each MMA every tile (96 ``IMAD.MOV`` with K widened from bytes),
+    and one offset computation for K and V saves a shared-memory layout change (8 barriers per tile
+    instead of 10)."""
     rep = _report("--kv", "fp8", "k_pairs=True", "share_kv_offsets=True")
     assert rep["config"].endswith("-vp-kp-so"), rep["config"]
     assert rep["registers"] <= 128 and rep["stack_bytes"] <= 64, rep
