@@ -693,7 +693,8 @@ def test_byte_pairs(block_size: int, block_n: int, warps: int, opts: dict[str, o
                                 return_lse=True, **kw)  # type: ignore[arg-type]  # fmt: skip
         assert_close_to_ref(out, ref, same)
         torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
-        plain = paged_decode(q, kc8, vc8, bt, sl, num_splits=splits, config=replace(cfg, v_pairs=False, k_pairs=False),
+        plain = paged_decode(q, kc8, vc8, bt, sl, num_splits=splits,
+                             config=replace(cfg, v_pairs=False, k_pairs=False),
                              k_scale=ks, v_scale=vs, **kw)  # type: ignore[arg-type]  # fmt: skip
         torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
 

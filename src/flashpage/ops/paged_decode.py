@@ -328,13 +328,14 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     and capped at 128 registers, so four programs share an SM instead of two (8-40 bytes of stack;
     none touched in the mask-free KV loop, one word reloaded per masked tile under triton 3.9).
     H100 (``benchmarks/probes/decode_fp8_bound.py``, GQA 32/8, random pages, x the bf16 kernel's
-    sequences x tokens/s in the same run; b32/32k, b64/4k, b256/4k, b1/128k): 1.92 / 1.87 / 1.86 / 1.79x, the previous default 1.78 / 1.70 / 1.74 /
-    1.63x, the pairs without the cap 1.70 / 1.61 / 1.83 / 1.59x; ``flashpage bench decode`` at
-    fb1d4bc (``benchmarks/results/decode-h100.json``) 1.79-1.93x on the six shapes. With one
-    program's loads in flight per tile and a long dependent chain of shared loads, conversions and
-    MMAs per tile, resident programs are what hides the latency. H200 (2026-12-07, same probe and
-    shapes): 1.89 / 1.82 / 1.84 / 1.70x, the previous default 1.38 / 1.35 / 1.36 / 1.32x;
-    ``flashpage bench decode`` at 61a4346 (``benchmarks/results/decode-h200.json``) 1.71-1.84x.
+    sequences x tokens/s in the same run; b32/32k, b64/4k, b256/4k, b1/128k): 1.92 / 1.87 / 1.86 /
+    1.79x, the previous default 1.78 / 1.70 / 1.74 / 1.63x, the pairs without the cap 1.70 / 1.61 /
+    1.83 / 1.59x; ``flashpage bench decode`` at fb1d4bc (``benchmarks/results/decode-h100.json``)
+    1.79-1.93x on the six shapes. With one program's loads in flight per tile and a long dependent
+    chain of shared loads, conversions and MMAs per tile, resident programs are what hides the
+    latency. H200 (2026-12-07, same probe and shapes): 1.89 / 1.82 / 1.84 / 1.70x, the previous
+    default 1.38 / 1.35 / 1.36 / 1.32x; ``flashpage bench decode`` at 61a4346
+    (``benchmarks/results/decode-h200.json``) 1.71-1.84x.
 
     Options timed against this default and left off: K read as byte pairs too (``k_pairs``: the
     queries' MMA operand no longer copied register by register every tile, 96 moves) and K's
