@@ -59,8 +59,8 @@ timed on an H100 on 2026-12-07 and are dropped from the default list) at the fp8
 count. ``ratio_bf16`` is the library bf16 row's time over the row's time (sequences x tokens / s).
 
 Run on the GPU: ``cd benchmarks/probes && PYTHONPATH=../../src:. python decode_fp8_bound.py [out.json]``
-(``SHAPES=32:32768:0,...`` for fewer shapes; ``SHAPES=64:4096:2/4`` adds the fp8 rows at 2 and 4
-splits; ``LIB=vpr128,bytes`` narrows the fp8 variants); ``DEV=cpu TRITON_INTERPRET=1 ... --tiny``
+(``SHAPES=32:32768:0,...`` for fewer shapes; ``SHAPES=64:4096:2/4`` adds the fp8 rows and the bf16
+default at 2 and 4 splits; ``LIB=vpr128,bytes`` narrows the fp8 variants); ``DEV=cpu TRITON_INTERPRET=1 ... --tiny``
 checks the script on a CPU.
 """
 
@@ -295,7 +295,7 @@ def probe_shape(
     bench: Callable[[Callable[[], Any]], float],
 ) -> list[dict[str, Any]]:
     """Rows of one ``(batch, ctx)`` shape: every row at the planner's split count, plus the fp8
-    variants of ``LIB`` (default: all) again at each count of ``split_list``."""
+    variants of ``LIB`` (default: all) and the bf16 default again at each count of ``split_list``."""
     del tiny
     h, hk, d, bs = SHAPE
     dt, f8 = torch.bfloat16, torch.float8_e4m3fn
@@ -342,6 +342,7 @@ def probe_shape(
         *(("fp8", v, 0) for v in fp8_variants),
         *(("bf16", v, 0) for v in BF16_VARIANTS),
         *(("fp8", v, s) for s in split_list if s > 0 for v in fp8_variants),
+        *(("bf16", "default", s) for s in split_list if s > 0),
     )
     for kv, variant, n in lib_rows:
         try:  # a variant that fails to build or to match is reported, not timed
