@@ -96,6 +96,8 @@ LIB_VARIANTS: dict[str, dict[str, Any]] = {
     "vpr128n64": {**_VPR128, "block_n": 64},
     "vpr128n64s5": {**_VPR128, "block_n": 64, "num_stages": 5},
     "vpr128s5": {**_VPR128, "num_stages": 5},
+    # the next tile's block ids loaded one iteration ahead
+    "vpr128pt": {**_VPR128, "prefetch_table": True},
 }
 # bf16 configurations timed beside the bf16 default.
 BF16_VARIANTS: dict[str, dict[str, Any]] = {"so": {"share_kv_offsets": True}}
