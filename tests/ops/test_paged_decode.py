@@ -17,7 +17,6 @@ from flashpage.ops.paged_decode import (
     choose_num_splits,
     default_decode_config,
     default_num_sms,
-    fill_programs_per_sm,
     k_pairs_apply,
     kv_heads_per_program,
     paged_decode,
@@ -436,20 +435,6 @@ def test_num_splits_planner_rule() -> None:
     assert choose_num_splits(1, 1, 10**7, 132, max_splits=64, one_wave_of=2) == 64
     with pytest.raises(ValueError, match="one_wave_of"):
         choose_num_splits(1, 1, 1024, 132, one_wave_of=-1)
-    # At least 4 programs per SM (configs that hold 4): b64/4k takes 2 splits (1024 programs).
-    assert choose_num_splits(64, 8, 4096, 132, programs_per_sm=4) == 2
-    assert choose_num_splits(256, 8, 4096, 132, programs_per_sm=4) == 1
-    assert choose_num_splits(1, 8, 131072, 132, programs_per_sm=4) == 128
-    with pytest.raises(ValueError, match="programs_per_sm"):
-        choose_num_splits(1, 1, 1024, 132, programs_per_sm=0)
-
-
-def test_fill_programs_per_sm() -> None:
-    assert fill_programs_per_sm(default_decode_config(torch.bfloat16, 128)) == 2  # no register cap
-    fp8 = default_decode_config(torch.float8_e4m3fn, 128)
-    assert (fp8.maxnreg, fp8.num_warps) == (128, 4) and fill_programs_per_sm(fp8) == 4
-    assert fill_programs_per_sm(PagedAttnConfig(maxnreg=255, num_warps=4)) == 2  # never below 2
-    assert fill_programs_per_sm(PagedAttnConfig(maxnreg=64, num_warps=4)) == 8
 
 
 def test_wide_tiles_for_several_head_programs(device: str) -> None:

@@ -1740,7 +1740,6 @@ def resolve_num_splits(
     tile_tokens: int,
     device: torch.device,
     one_wave_of: int = 0,
-    programs_per_sm: int = 2,
 ) -> int:
     """``num_splits`` if positive, else the planner's choice; never more than the tiles of ``seqlen_k``.
 
@@ -1751,8 +1750,6 @@ def resolve_num_splits(
         tile_tokens: KV tokens per tile (:attr:`PagedTiles.tile_tokens`).
         one_wave_of: programs per SM the planner fills exactly one wave of (``0``: at least two
             programs per SM); see :func:`~flashpage.roofline.planner.choose_num_splits`.
-        programs_per_sm: otherwise the programs per SM the planner's split count reaches at least
-            (:func:`fill_programs_per_sm`).
     """
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [0, {_MAX_SPLITS}] (0 = planner), got {num_splits!r}")
@@ -1760,21 +1757,9 @@ def resolve_num_splits(
         # The roofline planner: >= 2 programs per SM (or one wave of one_wave_of), >= 256 keys per split.
         num_splits = choose_num_splits(
             max(work_items, 1), head_programs, max(seqlen_k, 1), default_num_sms(device),
-            one_wave_of=one_wave_of, programs_per_sm=programs_per_sm,
+            one_wave_of=one_wave_of,
         )  # fmt: skip
     return max(1, min(num_splits, cdiv(max(seqlen_k, 1), tile_tokens)))
-
-
-def fill_programs_per_sm(config: PagedAttnConfig) -> int:
-    """Programs per SM the split planner fills at least: as many as the config's register cap lets
-    reside (``65536 // (maxnreg * 32 * num_warps)``; the fp8 default's 128 x 4 warps: 4), else 2.
-
-    With 2 the fp8 default's programs fill one wave of its 4 slots per SM less a few (b64/4k: 512
-    programs for 528 slots); with 4 they take two waves.
-    """
-    if config.maxnreg <= 0:
-        return 2
-    return max(2, 65536 // (config.maxnreg * 32 * config.num_warps))
 
 
 def with_heads(config: PagedAttnConfig, heads: int) -> PagedAttnConfig:
@@ -1829,7 +1814,7 @@ def resolve_launch(
         tiles = paged_tiles(cfg, max_seqlen_q, nheads, nheads_k, kv_dtype)
         splits = resolve_num_splits(
             num_splits, batch * tiles.q_tiles, tiles.head_programs, seqlen_k, tiles.tile_tokens, device,
-            one_wave_of=one_wave_of, programs_per_sm=fill_programs_per_sm(cfg),
+            one_wave_of=one_wave_of,
         )  # fmt: skip
         return cfg, tiles, splits
 

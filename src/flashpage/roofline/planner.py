@@ -88,12 +88,10 @@ def choose_num_splits(
     min_tokens_per_split: int = 256,
     max_splits: int = 128,
     one_wave_of: int = 0,
-    programs_per_sm: int = 2,
 ) -> int:
     """Split-KV count for a decode launch (flash-decoding heuristic, see the module docstring).
 
-    Returns the smallest power of two ``s`` with ``batch * nheads_k * s >= programs_per_sm *
-    num_sms`` (default: two programs per SM), lowered to
+    Returns the smallest power of two ``s`` with ``batch * nheads_k * s >= 2 * num_sms``, lowered to
     the largest power of two keeping ``seqlen_k / s >= min_tokens_per_split`` and ``s <= max_splits``;
     at least 1. With ``one_wave_of = k > 0`` (programs that hold only ``k`` per SM) instead the
     largest power of two with ``batch * nheads_k * s <= k * num_sms``: one full wave, no second
@@ -102,17 +100,15 @@ def choose_num_splits(
     for name, v in (("batch", batch), ("nheads_k", nheads_k), ("seqlen_k", seqlen_k), ("num_sms", num_sms)):
         if v < 1:
             raise ValueError(f"{name}: must be >= 1, got {v}")
-    if min_tokens_per_split < 1 or max_splits < 1 or one_wave_of < 0 or programs_per_sm < 1:
-        raise ValueError(
-            "min_tokens_per_split, max_splits and programs_per_sm must be >= 1, one_wave_of >= 0"
-        )
+    if min_tokens_per_split < 1 or max_splits < 1 or one_wave_of < 0:
+        raise ValueError("min_tokens_per_split and max_splits must be >= 1, one_wave_of >= 0")
     programs = batch * nheads_k
     splits = 1
     if one_wave_of:
         while programs * splits * 2 <= one_wave_of * num_sms:
             splits *= 2
     else:
-        while programs * splits < programs_per_sm * num_sms:
+        while programs * splits < 2 * num_sms:
             splits *= 2
     cap = min(_pow2_floor(max_splits), _pow2_floor(max(1, seqlen_k // min_tokens_per_split)))
     return max(1, min(splits, cap))
