@@ -335,7 +335,10 @@ def default_decode_config(kv_dtype: torch.dtype, head_dim: int, paged: bool = Tr
     chain of shared loads, conversions and MMAs per tile, resident programs are what hides the
     latency. H200 (2026-12-07, same probe and shapes): 1.89 / 1.82 / 1.84 / 1.70x, the previous
     default 1.38 / 1.35 / 1.36 / 1.32x; ``flashpage bench decode`` at 61a4346
-    (``benchmarks/results/decode-h200.json``) 1.71-1.84x.
+    (``benchmarks/results/decode-h200.json``) 1.71-1.84x. The planner's split counts (at least two
+    programs per SM) suit it although it holds four: filling four per SM read slower on an H100
+    (2026-12-07, same probe, x bf16): b64/4k 1.80x at 2 splits vs 1.88x at the planner's 1, b32/32k
+    1.91x at 4 vs 1.93x at 2, b256/4k 1.83x at 2 vs 1.89x at 1, b1/128k 1.72x at 128 vs 1.78x at 64.
 
     Options timed against this default and left off: K read as byte pairs too (``k_pairs``: the
     queries' MMA operand no longer copied register by register every tile, 96 moves) and K's

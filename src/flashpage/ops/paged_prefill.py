@@ -50,22 +50,22 @@ def default_prefill_config(
     On Hopper with a 16-bit cache (H200, 4 x 2048 new tokens after a 2048-token paged prefix, block
     size 16, bf16, 2026-12-03; benchmarks/results/decode-h200.json): d <= 128, GQA 32/8: 128 x 128 tiles,
     3 stages, ``prefetch_table`` (374 TFLOP/s = 0.92x the flash kernel on contiguous KV; 339 without
-    the prefetch, whose gathered tiles get one buffer); pages of >= 128 tokens hold whole tiles, which
-    TMA descriptors load (387, 2 stages). d=256, GQA 16/4: 128 x 64 tiles, 3 stages (396 = 0.97x at
-    b81af5d, 386 with 2 stages; 4 stages 395; the 64 x 64 8-warp tiles used before: 215; the table
-    prefetch at 3 stages does not fit in shared memory); TMA with 3 stages for pages >= 64 tokens
-    (394 at 128). Elsewhere (Ampere: less shared memory; not measured here): 128 x 64, 8 warps;
-    64 x 64 above d=128.
+    the prefetch, whose gathered tiles get one buffer; it applies only to pages smaller than a tile).
+    d=256, GQA 16/4: 128 x 64 tiles, 3 stages (396 = 0.97x at b81af5d, 386 with 2 stages; 4 stages
+    395; the 64 x 64 8-warp tiles used before: 215; the table prefetch at 3 stages does not fit in
+    shared memory). Pages that hold whole tiles take the same pointer-loaded tiles: TMA descriptors
+    (used for pages >= 128 tokens at d <= 128 and >= 64 at d=256 until 2026-12-07) read slower on
+    the same 128-token pages (H100, ``flashpage bench decode`` at 61c4902, same run, TFLOP/s):
+    d=128 394 (2 stages) vs 418 pointer-loaded (the flash kernel 410), d=256 393 vs 471 (flash 434);
+    on the H200 at 61a4346 the TMA rows read 0.92x / 0.89x the flash kernel where 16-token pages read
+    0.94x / 1.00x. So ``block_size`` (the cache's page size) no longer changes the choice; it stays a
+    parameter for the callers that pass it. Elsewhere (Ampere: less shared memory; not measured
+    here): 128 x 64, 8 warps; 64 x 64 above d=128.
     """
     hopper = device is not None and gpu_family(device) == "hopper"
-    page = block_size or 0
     if hopper and kv_dtype in (torch.float16, torch.bfloat16):
         if head_dim > 128:
-            if page >= 64:
-                return PagedAttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True)
             return PagedAttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
-        if page >= 128:
-            return PagedAttnConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, use_tma=True)
         return PagedAttnConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, prefetch_table=True)
     if head_dim > 128:
         return PagedAttnConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
