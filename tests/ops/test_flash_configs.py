@@ -14,6 +14,7 @@ from flashpage.ops.flash_configs import (
     bwd_candidates,
     fwd_candidates,
     table_lookup,
+    triton_version,
 )
 
 
@@ -91,3 +92,16 @@ def test_ws_stages_validated_and_labelled() -> None:
     # The Hopper table's Gluon entries keep a Triton config for what the Gluon kernel does not take.
     ws = [(key, c) for key, c in HOPPER_FWD.items() if c.ws_stages]
     assert ws and all(key[0] in (64, 128) for key, _ in ws)
+
+
+@pytest.mark.parametrize(
+    ("release", "expected"),
+    [("3.6.0", (3, 6)), ("3.9.0+git1a2b3c", (3, 9)), ("3.10rc1", (3, 10)), ("4.0", (4, 0))],
+)
+def test_triton_version_parses_releases(
+    monkeypatch: pytest.MonkeyPatch, release: str, expected: tuple
+) -> None:
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", release)
+    assert triton_version.__wrapped__() == expected

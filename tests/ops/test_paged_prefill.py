@@ -156,16 +156,21 @@ def test_default_prefill_config_by_head_dim_and_device() -> None:
 
 
 def test_hopper_prefill_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Hopper: gathered small pages prefetch the block table, whole-tile pages take the same pointer
-    loads (TMA read slower there), and every default gives each warp 16 query rows (fewer make
+    """Hopper: gathered small pages prefetch the block table, whole-tile pages take TMA under triton
+    >= 3.9 (pointer loads before), and every default gives each warp 16 query rows (fewer make
     Triton repeat the score MMAs per warpgroup)."""
     import flashpage.ops.paged_prefill as pp
 
     monkeypatch.setattr(pp, "gpu_family", lambda device: "hopper")
     dev = torch.device("cpu")
-    small, big = (pp.default_prefill_config(128, dev, torch.bfloat16, bs) for bs in (16, 128))
-    assert small.prefetch_table and not small.use_tma
-    assert big == small and not big.use_tma
+    for version, tma in (((3, 6), False), ((3, 9), True), ((4, 0), True)):
+        monkeypatch.setattr(pp, "triton_version", lambda version=version: version)
+        small, big = (pp.default_prefill_config(128, dev, torch.bfloat16, bs) for bs in (16, 128))
+        assert small.prefetch_table and not small.use_tma
+        assert big.use_tma == tma and big.block_n <= 128
+        assert pp.default_prefill_config(256, dev, torch.bfloat16, 64).use_tma == tma
+        assert pp.default_prefill_config(256, dev, torch.bfloat16, 32).use_tma is False
+        assert pp.default_prefill_config(128, dev, torch.bfloat16, 128, tma=not tma).use_tma == (not tma)
     for d in (64, 128, 256):
         for bs in (8, 16, 64, 256):
             c = pp.default_prefill_config(d, dev, torch.float16, bs)

@@ -31,8 +31,8 @@ Prefill rows (``bench="prefill"``): chunked prefill of 4 sequences x 2048 new to
 cached prefix (bottom-right causal): the paged prefill kernel vs the flash forward kernel
 (``flashpage.ops.flash_attn.flash_attn_varlen_fwd``) on the same shape with a contiguous KV, plus SDPA
 with a lower-right causal mask; ``ratio_vs_flash`` is the flash kernel's time over the paged one's.
-``paged-prefill-bs128`` rows run the same K/V in 128-token pages (a tile lies inside one page);
-``--variants`` adds TMA-loaded tiles there.
+``paged-prefill-bs128`` rows run the same K/V in 128-token pages (a tile lies inside one page),
+with the default tiles and (Hopper) the same tiles over the other load path, TMA or pointers.
 
 Run ``python -m flashpage.bench.decode [--quick] [--variants]`` (or ``flashpage bench decode``);
 ``--smoke`` runs tiny shapes anywhere (CPU: the Triton interpreter) to check the script itself.
@@ -745,13 +745,15 @@ def bench_prefill_shape(
         kc2[perm] = k_flat.view(b * pages, big, hk, d)
         vc2[perm] = v_flat.view(b * pages, big, hk, d)
         bt2 = perm.view(b, pages).to(torch.int32)
-        # TMA loads (whole tiles per page): the big pages' default on Hopper until 2026-12-07.
         combos = (
-            [(128, 128, 8, 2, True), (128, 64, 8, 3, True), (128, 128, 8, 3, True), (128, 128, 8, 2, False)]
-            if st.variants
-            else []
+            [(128, 128, 8, 2, False), (128, 64, 8, 3, True), (128, 128, 8, 3, True)] if st.variants else []
         )
+        # Both load paths for tiles inside one page (which is faster depends on the triton release).
         big_cfgs = [default_prefill_config(d, device, dt, big)]
+        for tma in (False, True):
+            cfg = default_prefill_config(d, device, dt, big, tma=tma)
+            if cfg not in big_cfgs:
+                big_cfgs.append(cfg)
         big_cfgs += [PagedAttnConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s_, use_tma=t)
                      for bm, bn, w, s_, t in combos]  # fmt: skip
         for cfg in big_cfgs:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -44,6 +45,7 @@ __all__ = [
     "padded_head_dim",
     "table_lookup",
     "tma_supported",
+    "triton_version",
     "tuned_configs",
 ]
 
@@ -289,6 +291,15 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
 @functools.cache
 def _capability_of(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def triton_version() -> tuple[int, int]:
+    """The installed triton's (major, minor) release."""
+    import triton
+
+    match = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    return (int(match[1]), int(match[2])) if match else (0, 0)
 
 
 @functools.cache

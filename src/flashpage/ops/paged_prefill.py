@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flashpage.ops.flash_configs import gpu_family
+from flashpage.ops.flash_configs import gpu_family, triton_version
 from flashpage.ops.paged_decode import (
     PagedAttnConfig,
     check_paged_cache,
@@ -43,9 +43,17 @@ def default_prefill_config(
     device: torch.device | None = None,
     kv_dtype: torch.dtype | None = None,
     block_size: int | None = None,
+    tma: bool | None = None,
 ) -> PagedAttnConfig:
     """Prefill tiles. The Hopper tiles give every warp >= 16 query rows (fewer make Triton repeat
     the score MMAs once per warpgroup, see flash_configs).
+
+    Args:
+        head_dim: ``d``; device, kv_dtype: the cache's (defaults without them: Ampere's tiles).
+        block_size: the cache's page size (tokens per page).
+        tma: Hopper, 16-bit caches: load tiles that lie inside one page (pages of >= ``block_n``
+            tokens) through TMA descriptors; ``None``: where the installed triton gains from it
+            (>= 3.9, below). Smaller pages always take pointer loads.
 
     On Hopper with a 16-bit cache (H200, 4 x 2048 new tokens after a 2048-token paged prefix, block
     size 16, bf16, 2026-12-03; benchmarks/results/decode-h200.json): d <= 128, GQA 32/8: 128 x 128 tiles,
@@ -53,19 +61,28 @@ def default_prefill_config(
     the prefetch, whose gathered tiles get one buffer; it applies only to pages smaller than a tile).
     d=256, GQA 16/4: 128 x 64 tiles, 3 stages (396 = 0.97x at b81af5d, 386 with 2 stages; 4 stages
     395; the 64 x 64 8-warp tiles used before: 215; the table prefetch at 3 stages does not fit in
-    shared memory). Pages that hold whole tiles take the same pointer-loaded tiles: TMA descriptors
-    (used for pages >= 128 tokens at d <= 128 and >= 64 at d=256 until 2026-12-07) read slower on
-    the same 128-token pages (H100, ``flashpage bench decode`` at 61c4902, same run, TFLOP/s):
-    d=128 394 (2 stages) vs 418 pointer-loaded (the flash kernel 410), d=256 393 vs 471 (flash 434);
-    on the H200 at 61a4346 the TMA rows read 0.92x / 0.89x the flash kernel where 16-token pages read
-    0.94x / 1.00x. So ``block_size`` (the cache's page size) no longer changes the choice; it stays a
-    parameter for the callers that pass it. Elsewhere (Ampere: less shared memory; not measured
+    shared memory). Pages that hold whole tiles (>= 128 tokens at d <= 128, >= 64 at d=256) take
+    TMA-loaded tiles (2 and 3 stages) under triton >= 3.9 only, where pointer-loaded tiles carry
+    proxy fences and extra barriers per tile between the ``cp.async`` writes and the wgmma reads
+    (``benchmarks/README.md``, triton 3.9 on an H100, 128-token pages: TMA 413-415 / 491 TFLOP/s at
+    d=128 / 256, 16-token pointer-loaded pages 373-378 / 463-468). Under older triton the
+    pointer-loaded tiles read faster on the same 128-token pages (H100, triton 3.6, ``flashpage
+    bench decode`` at 61c4902, same run): d=128 418 vs 394 with TMA (the flash kernel 410), d=256
+    471 vs 393 (flash 434); on the H200 at 61a4346 the TMA rows read 0.92x / 0.89x the flash kernel
+    where 16-token pages read 0.94x / 1.00x. Elsewhere (Ampere: less shared memory; not measured
     here): 128 x 64, 8 warps; 64 x 64 above d=128.
     """
     hopper = device is not None and gpu_family(device) == "hopper"
+    page = block_size or 0
     if hopper and kv_dtype in (torch.float16, torch.bfloat16):
+        if tma is None:
+            tma = triton_version() >= (3, 9)
         if head_dim > 128:
-            return PagedAttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+            return PagedAttnConfig(
+                block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=tma and page >= 64
+            )
+        if tma and page >= 128:
+            return PagedAttnConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, use_tma=True)
         return PagedAttnConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, prefetch_table=True)
     if head_dim > 128:
         return PagedAttnConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
