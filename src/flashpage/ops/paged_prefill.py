@@ -65,7 +65,8 @@ def default_prefill_config(
     TMA-loaded tiles (2 and 3 stages) under triton >= 3.9 only, where pointer-loaded tiles carry
     proxy fences and extra barriers per tile between the ``cp.async`` writes and the wgmma reads
     (``benchmarks/README.md``, triton 3.9 on an H100, 128-token pages: TMA 413-415 / 491 TFLOP/s at
-    d=128 / 256, 16-token pointer-loaded pages 373-378 / 463-468). Under older triton the
+    d=128 / 256, 16-token pointer-loaded pages 373-378 / 463-468; pointer-loaded 128-token pages
+    not yet timed under 3.9: ``flashpage bench decode`` now times both paths). Under older triton the
     pointer-loaded tiles read faster on the same 128-token pages (H100, triton 3.6, ``flashpage
     bench decode`` at 61c4902, same run): d=128 418 vs 394 with TMA (the flash kernel 410), d=256
     471 vs 393 (flash 434); on the H200 at 61a4346 the TMA rows read 0.92x / 0.89x the flash kernel
