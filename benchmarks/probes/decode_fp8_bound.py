@@ -98,6 +98,8 @@ LIB_VARIANTS: dict[str, dict[str, Any]] = {
     "vpr128s5": {**_VPR128, "num_stages": 5},
     # the next tile's block ids loaded one iteration ahead
     "vpr128pt": {**_VPR128, "prefetch_table": True},
+    # the splits merged by the last-arriving split program instead of the dependent combine launch
+    "vpr128fc": {**_VPR128, "fused_combine": True},
 }
 # bf16 configurations timed beside the bf16 default.
 BF16_VARIANTS: dict[str, dict[str, Any]] = {"so": {"share_kv_offsets": True}}
