@@ -666,15 +666,15 @@ def test_warp_slices_config_errors() -> None:
         # slices over 2 pages
         (8, 32, 2, {"pairs": "kv", "window_size": (20, 0), "softcap": 3.0, "warp_slices": True}),
         (32, 32, 2, {"pairs": "k", "alibi": True, "early_v": True}),  # page >= tile
-        # multi-query rows (12 of 16), one sees nothing
-        (16, 64, 4, {"pairs": "v", "q_len": 3, "warp_slices": True}),
+        # multi-query rows (12 of 16), one sees nothing; splits merged by the last arriving program
+        (16, 64, 4, {"pairs": "v", "q_len": 3, "warp_slices": True, "fused_combine": True}),
     ],
 )
 def test_byte_pairs(block_size: int, block_n: int, warps: int, opts: dict[str, object]) -> None:
     """fp8 K and/or V read as int16 byte pairs (V's even / odd columns accumulated apart and
     interleaved at the end; Q K^T as even plus odd columns): equal to the reference over the
     dequantised caches and to the byte-wise kernel, with masks, options, warp slices, multi-query
-    rows and splits."""
+    rows and splits (combined by the combine kernel or in-kernel by the last arriving split)."""
     pairs = str(opts["pairs"])
     kc, vc, bt, sl, q, kw = _slice_case(block_size, opts)
     kc8, vc8, ks, vs, kd, vd = _fp8_caches(kc, vc)
@@ -682,6 +682,7 @@ def test_byte_pairs(block_size: int, block_n: int, warps: int, opts: dict[str, o
     cfg = PagedAttnConfig(
         block_n=block_n, num_warps=warps, v_pairs="v" in pairs, k_pairs="k" in pairs,
         warp_slices=bool(opts.get("warp_slices")), early_v=bool(opts.get("early_v")),
+        fused_combine=bool(opts.get("fused_combine")),
     )  # fmt: skip
     tiles = paged_tiles(cfg, q_len, nheads, nheads_k, vc8.dtype)
     assert v_pairs_apply(cfg, tiles, vc8, d, use_tma=False) == ("v" in pairs)
