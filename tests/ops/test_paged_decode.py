@@ -19,6 +19,7 @@ from flashpage.ops.paged_decode import (
     default_num_sms,
     k_pairs_apply,
     kv_heads_per_program,
+    merge_chunk,
     paged_decode,
     paged_grid,
     paged_kernel_constexprs,
@@ -315,6 +316,38 @@ def test_split_combine_variants(cfg: PagedAttnConfig, device: str) -> None:
     out2, lse2 = paged_decode(q, kc, vc, bt, sl, num_splits=4, config=cfg, return_lse=True)
     assert_close_to_ref(out2, ref, same)
     torch.testing.assert_close(lse2[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
+
+
+def test_fused_combine_merges_in_chunks() -> None:
+    """The last arriving split merges ``merge_chunk`` splits per step (one step's loads issued
+    together): several steps, a partial last step and steps of empty splits (short sequences)
+    equal the reference and the combine kernel, outputs and LSE; with ALiBi the late splits
+    outweigh the early ones, so a later step must rescale what the earlier ones summed."""
+    assert merge_chunk(16, 128, 4) == 4 and merge_chunk(16, 32, 1) == 4 and merge_chunk(64, 256, 4) == 1
+    lens, nheads, nheads_k, d = [2, 150, 33], 8, 2, 32
+    kc, vc, bt, sl = make_paged_cache(lens, 16, nheads_k, d)
+    q = torch.randn(len(lens), nheads, d)
+    cfg = PagedAttnConfig(block_n=16, num_warps=1, fused_combine=True)  # 4 splits per step at d=32
+    for kw in ({}, {"alibi_slopes": torch.full((nheads,), 0.5)}):
+        ref, ref_lse, same = _refs(q.unsqueeze(1), kc, vc, bt, sl, **kw)
+        for splits in (5, 8):  # 150 tokens: 5 non-empty splits of 32 tokens, the fifth in step 2
+            out, lse = paged_decode(q, kc, vc, bt, sl, num_splits=splits, config=cfg, return_lse=True,
+                                    **kw)  # type: ignore[arg-type]  # fmt: skip
+            assert_close_to_ref(out, ref[:, 0], same[:, 0])
+            torch.testing.assert_close(lse, ref_lse[:, :, 0], atol=1e-5, rtol=1e-5)
+            plain = paged_decode(q, kc, vc, bt, sl, num_splits=splits, config=replace(cfg, fused_combine=False),
+                                 **kw)  # type: ignore[arg-type]  # fmt: skip
+            torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
+    # 16 query tokens x 4 heads: 64-row tiles, one split per step (the 2-D merge)
+    q16 = torch.randn(len(lens), 16, nheads, d)
+    tiles = paged_tiles(cfg, 16, nheads, nheads_k, torch.float32)
+    consts = paged_kernel_constexprs(
+        cfg, tiles, group=4, head_dim=d, page_size=16, fp8=False, split=True, fp32_dot=True, fused=True
+    )
+    assert consts["MERGE_CH"] == 1
+    ref, _, same = _refs(q16, kc, vc, bt, sl, causal=True)
+    out = paged_decode(q16, kc, vc, bt, sl, num_splits=3, config=cfg, causal=True)
+    assert_close_to_ref(out, ref, same)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])

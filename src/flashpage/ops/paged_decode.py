@@ -89,7 +89,8 @@ class PagedAttnConfig:
         num_stages: software-pipelining depth of the KV loads.
         fused_combine: with split-KV, the last split program of each (sequence, KV head, query tile) to
             finish merges the splits itself (an atomic arrival counter in the workspace) instead of a
-            second kernel launch.
+            second kernel launch, :func:`merge_chunk` splits per step. Off by default: not yet timed
+            against the PDL combine since its merge loads several splits per step.
         early_v: issue each tile's V load together with its K load (twice the bytes in flight per
             program, more registers) instead of after the softmax.
         maxnreg: register cap per thread passed to the compiler (``0``: its choice); fewer registers
@@ -872,6 +873,7 @@ def _paged_attn_kernel(
     K_PAIRS: tl.constexpr,
     PAIR_ASM: tl.constexpr,
     SHARE_KV_OFFSETS: tl.constexpr,
+    MERGE_CH: tl.constexpr,
 ):
     if PDL:
         # Lets the combine kernel (launched as a programmatic dependent) be scheduled as soon as
@@ -1085,7 +1087,7 @@ def _paged_attn_kernel(
                 _merge_splits(
                     MidO, MidLse, Out, Lse, tok, head, row_ok, offs_d, d_ok, num_splits,
                     stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
-                    stride_ot, stride_oh, stride_lh, stride_lt, BLOCK_M, BLOCK_D, WRITE_LSE,
+                    stride_ot, stride_oh, stride_lh, stride_lt, BLOCK_M, BLOCK_D, WRITE_LSE, MERGE_CH,
                 )  # fmt: skip
                 tl.atomic_xchg(arrival, 0)
     else:
@@ -1100,30 +1102,50 @@ def _merge_splits(
     MidO, MidLse, Out, Lse, tok, head, row_ok, offs_d, d_ok, num_splits,
     stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
     stride_ot, stride_oh, stride_lh, stride_lt,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr, MERGE_CH: tl.constexpr,
 ):  # fmt: skip
     """Merge the ``num_splits`` partials of ``BLOCK_M`` (token, head) rows by a running max of their
-    log2-sum-exps (empty splits, lse = -inf, weigh 0). ``.cg`` loads: read other SMs' writes from L2."""
+    log2-sum-exps (empty splits, lse = -inf, weigh 0), ``MERGE_CH`` splits per step: one step's
+    loads, ``(MERGE_CH, BLOCK_M, BLOCK_D)``, are issued together, so a merge of ``S`` splits waits
+    for about ``S / MERGE_CH`` round trips to L2 rather than ``S`` (this runs on the critical path,
+    after the last split's tile loop). ``.cg`` loads: read other SMs' writes from L2."""
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     den = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    mask = row_ok[:, None] & d_ok[None, :]
-    for s in range(0, num_splits):
-        ls = tl.load(MidLse + tok * stride_mlt + head * stride_mlh + s, mask=row_ok, other=float("-inf"),
-                     cache_modifier=".cg")  # fmt: skip
-        o_s = tl.load(MidO + tok[:, None] * stride_mot + head[:, None] * stride_moh + s * stride_mos
-                      + offs_d[None, :], mask=mask, other=0.0, cache_modifier=".cg")  # fmt: skip
-        m_new = tl.maximum(m, ls)
+    offs_c = tl.arange(0, MERGE_CH)
+    lse_rows = MidLse + tok * stride_mlt + head * stride_mlh  # (BLOCK_M,) pointers
+    o_rows = MidO + tok[:, None] * stride_mot + head[:, None] * stride_moh + offs_d[None, :]
+    row_mask = row_ok[:, None] & d_ok[None, :]
+    for s0 in range(0, num_splits, MERGE_CH):
+        if MERGE_CH == 1:
+            # 2-D, as a 3-D step of one split costs large tiles (64 x 256) 800 bytes of spills
+            ls = tl.load(lse_rows + s0, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+            o_s = tl.load(o_rows + s0 * stride_mos, mask=row_mask, other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, ls)
+        else:
+            s = s0 + offs_c
+            lmask = (s < num_splits)[:, None] & row_ok[None, :]  # (MERGE_CH, BLOCK_M)
+            ls = tl.load(
+                lse_rows[None, :] + s[:, None], mask=lmask, other=float("-inf"), cache_modifier=".cg"
+            )
+            o_s = tl.load(o_rows[None, :, :] + (s * stride_mos)[:, None, None], mask=lmask[:, :, None]
+                          & row_mask[None, :, :], other=0.0, cache_modifier=".cg")  # fmt: skip
+            m_new = tl.maximum(m, tl.max(ls, 0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_use)
-        w = tl.exp2(ls - m_use)
-        acc = acc * alpha[:, None] + o_s * w[:, None]
-        den = den * alpha + w
+        if MERGE_CH == 1:
+            w = tl.exp2(ls - m_use)
+            acc = acc * alpha[:, None] + o_s * w[:, None]
+            den = den * alpha + w
+        else:
+            w3 = tl.exp2(ls - m_use[None, :])  # (MERGE_CH, BLOCK_M)
+            acc = acc * alpha[:, None] + tl.sum(o_s * w3[:, :, None], 0)
+            den = den * alpha + tl.sum(w3, 0)
         m = m_new
     ok = den > 0.0
     out = acc / tl.where(ok, den, 1.0)[:, None]
     tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=mask)  # fmt: skip
+             out.to(Out.dtype.element_ty), mask=row_mask)  # fmt: skip
     if WRITE_LSE:
         m_fin = tl.where(m == float("-inf"), 0.0, m)
         lse = tl.where(ok, (m_fin + tl.log2(tl.where(ok, den, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -1514,7 +1536,15 @@ def paged_kernel_constexprs(
         "SLICES": config.num_warps if config.warp_slices and tiles.block_m <= WARP_SLICE_ROWS else 0,
         "V_PAIRS": v_pairs, "K_PAIRS": k_pairs, "PAIR_ASM": not interpreter_enabled(),
         "SHARE_KV_OFFSETS": share_offsets,
+        "MERGE_CH": merge_chunk(tiles.block_m, max(16, next_pow2(head_dim)), config.num_warps) if fused else 1,
     }  # fmt: skip
+
+
+def merge_chunk(block_m: int, block_d: int, num_warps: int) -> int:
+    """Splits the fused combine (``PagedAttnConfig.fused_combine``) loads per step: as many as keep
+    one step's ``(chunk, block_m, block_d)`` fp32 partials at 64 values per thread (at least one;
+    all three sizes are powers of two, so the answer is one too)."""
+    return max(1, 64 * 32 * num_warps // (block_m * block_d))
 
 
 def _pairs_head_dim(head_dim: int) -> bool:
