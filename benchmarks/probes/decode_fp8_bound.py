@@ -99,7 +99,7 @@ LIB_VARIANTS: dict[str, dict[str, Any]] = {
     # the next tile's block ids loaded one iteration ahead
     "vpr128pt": {**_VPR128, "prefetch_table": True},
     # the splits merged by the last-arriving split program instead of the dependent combine launch
-    # (merge_chunk splits per step since c4e0eb8)
+    # (merge_chunk splits per step since 2026-12-07, afternoon)
     "vpr128fc": {**_VPR128, "fused_combine": True},
 }
 # bf16 configurations timed beside the bf16 default.

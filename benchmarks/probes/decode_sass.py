@@ -34,12 +34,15 @@ counts measured there, 112 (88 with split-KV partials, 120 with 64-bit offsets),
   that loop); without the cap 621 (3.9) / 634 (3.6) instructions and 177 / 168 registers. On the
   H100 it reads 1.07-1.10x the byte path's speed (``decode_fp8_bound.py``).
 
-- Fused split combine (``--split fused_combine=True``, triton 3.9, 2026-12-07): the last arriver's
-  merge used to load one split per iteration (fp8 default: 102 instructions, four ``LDG.128``, one
-  L2 round trip per split: 64 at b1/128k). Since c4e0eb8 it loads ``merge_chunk`` splits per step
-  (4 for 16-row tiles at d=128): 346 instructions and 16 ``LDG.128`` per step, the tile loop and
-  registers unchanged (fp8: 128, 24 bytes of stack; the bf16 4-head split kernel 188 -> 150
-  registers). Untimed.
+- Fused split combine (``--split fused_combine=True``, 2026-12-07): the last arriver's merge used
+  to load one split per iteration (fp8 default: 102-105 instructions, four ``LDG.128``, one L2 round
+  trip per split: 64 at b1/128k). It now takes ``merge_chunk`` splits per step (4 for 16-row tiles
+  at d=128), unrolled: ptxas hoists the step's 16 ``LDG.128`` above its math; 324 instructions per
+  step (81 per split) under 3.6 and 3.9, the tile loop and the fp8 kernel's 128 registers and
+  stack (8 / 32 bytes) unchanged, the bf16 4-head split kernel 200 -> 162 (3.6) / 188 -> 149 (3.9)
+  registers. A ``(chunk, rows, d)`` load reduced over its first axis (c4e0eb8) was fine under 3.9
+  but under 3.6 spilled 336 bytes and reduced through shared memory (1117 instructions per
+  step). Untimed.
 
 - Chunked prefill (``--q-len 2048``: the Hopper tiles for 16-token pages, 128 x 128, 8 warps, 3
   stages, table prefetch), triton 3.9 against 3.6 (2026-12-06): 255 registers under both, 64 bytes

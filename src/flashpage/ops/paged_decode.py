@@ -1105,43 +1105,33 @@ def _merge_splits(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr, MERGE_CH: tl.constexpr,
 ):  # fmt: skip
     """Merge the ``num_splits`` partials of ``BLOCK_M`` (token, head) rows by a running max of their
-    log2-sum-exps (empty splits, lse = -inf, weigh 0), ``MERGE_CH`` splits per step: one step's
-    loads, ``(MERGE_CH, BLOCK_M, BLOCK_D)``, are issued together, so a merge of ``S`` splits waits
-    for about ``S / MERGE_CH`` round trips to L2 rather than ``S`` (this runs on the critical path,
-    after the last split's tile loop). ``.cg`` loads: read other SMs' writes from L2."""
+    log2-sum-exps (empty splits, lse = -inf, weigh 0), ``MERGE_CH`` splits per step: a step's
+    loads can be issued together, so a merge of ``S`` splits waits for about ``S / MERGE_CH`` round
+    trips to L2 rather than ``S`` (this runs on the critical path, after the last split's tile
+    loop). ``.cg`` loads: read other SMs' writes from L2."""
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     den = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    offs_c = tl.arange(0, MERGE_CH)
     lse_rows = MidLse + tok * stride_mlt + head * stride_mlh  # (BLOCK_M,) pointers
     o_rows = MidO + tok[:, None] * stride_mot + head[:, None] * stride_moh + offs_d[None, :]
     row_mask = row_ok[:, None] & d_ok[None, :]
     for s0 in range(0, num_splits, MERGE_CH):
-        if MERGE_CH == 1:
-            # 2-D, as a 3-D step of one split costs large tiles (64 x 256) 800 bytes of spills
-            ls = tl.load(lse_rows + s0, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-            o_s = tl.load(o_rows + s0 * stride_mos, mask=row_mask, other=0.0, cache_modifier=".cg")
+        # Unrolled, so the step's loads do not wait on each other's math; a (MERGE_CH, rows, d)
+        # load reduced over its first axis instead made triton 3.6 spill and reduce through
+        # shared memory.
+        for c in tl.static_range(MERGE_CH):
+            # a (rows,) mask: the interpreter takes no scalar bool in one
+            rows_in = row_ok & (tl.zeros([BLOCK_M], dtype=tl.int32) + (s0 + c) < num_splits)
+            ls = tl.load(lse_rows + (s0 + c), mask=rows_in, other=float("-inf"), cache_modifier=".cg")
+            o_s = tl.load(o_rows + (s0 + c) * stride_mos, mask=rows_in[:, None] & d_ok[None, :], other=0.0,
+                          cache_modifier=".cg")  # fmt: skip
             m_new = tl.maximum(m, ls)
-        else:
-            s = s0 + offs_c
-            lmask = (s < num_splits)[:, None] & row_ok[None, :]  # (MERGE_CH, BLOCK_M)
-            ls = tl.load(
-                lse_rows[None, :] + s[:, None], mask=lmask, other=float("-inf"), cache_modifier=".cg"
-            )
-            o_s = tl.load(o_rows[None, :, :] + (s * stride_mos)[:, None, None], mask=lmask[:, :, None]
-                          & row_mask[None, :, :], other=0.0, cache_modifier=".cg")  # fmt: skip
-            m_new = tl.maximum(m, tl.max(ls, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        if MERGE_CH == 1:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_use)
             w = tl.exp2(ls - m_use)
             acc = acc * alpha[:, None] + o_s * w[:, None]
             den = den * alpha + w
-        else:
-            w3 = tl.exp2(ls - m_use[None, :])  # (MERGE_CH, BLOCK_M)
-            acc = acc * alpha[:, None] + tl.sum(o_s * w3[:, :, None], 0)
-            den = den * alpha + tl.sum(w3, 0)
-        m = m_new
+            m = m_new
     ok = den > 0.0
     out = acc / tl.where(ok, den, 1.0)[:, None]
     tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
