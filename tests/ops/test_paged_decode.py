@@ -338,7 +338,7 @@ def test_fused_combine_merges_in_chunks() -> None:
             plain = paged_decode(q, kc, vc, bt, sl, num_splits=splits, config=replace(cfg, fused_combine=False),
                                  **kw)  # type: ignore[arg-type]  # fmt: skip
             torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
-    # 16 query tokens x 4 heads: 64-row tiles, one split per step (the 2-D merge)
+    # 16 query tokens x 4 heads: 64-row tiles, one split per step
     q16 = torch.randn(len(lens), 16, nheads, d)
     tiles = paged_tiles(cfg, 16, nheads, nheads_k, torch.float32)
     consts = paged_kernel_constexprs(
