@@ -1516,8 +1516,9 @@ def paged_kernel_constexprs(
     :func:`v_pairs_apply`'s / :func:`k_pairs_apply`'s answer for the launch; ``share_offsets``:
     ``PagedAttnConfig.share_kv_offsets`` where the caches' strides (as read) are equal.
     """
+    block_d = max(16, next_pow2(head_dim))
     return {
-        "G": group, "HPP": tiles.heads, "HEAD_DIM": head_dim, "BLOCK_D": max(16, next_pow2(head_dim)),
+        "G": group, "HPP": tiles.heads, "HEAD_DIM": head_dim, "BLOCK_D": block_d,
         "BLOCK_M": tiles.block_m, "BLOCK_N": config.block_n, "PAGE_SIZE": page_size, "VARLEN_Q": varlen_q,
         "HAS_BATCH_IDX": batch_idx, "HAS_KV_START": kv_start, "SOFTCAP": softcap, "HAS_ALIBI": alibi, "KV_FP8": fp8, "SPLIT": split,
         "WRITE_LSE": write_lse, "DOT_PRECISION": "ieee" if fp32_dot else "tf32", "UPCAST": upcast,
@@ -1526,7 +1527,7 @@ def paged_kernel_constexprs(
         "SLICES": config.num_warps if config.warp_slices and tiles.block_m <= WARP_SLICE_ROWS else 0,
         "V_PAIRS": v_pairs, "K_PAIRS": k_pairs, "PAIR_ASM": not interpreter_enabled(),
         "SHARE_KV_OFFSETS": share_offsets,
-        "MERGE_CH": merge_chunk(tiles.block_m, max(16, next_pow2(head_dim)), config.num_warps) if fused else 1,
+        "MERGE_CH": merge_chunk(tiles.block_m, block_d, config.num_warps) if fused else 1,
     }  # fmt: skip
 
 
