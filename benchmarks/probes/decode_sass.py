@@ -42,7 +42,9 @@ counts measured there, 112 (88 with split-KV partials, 120 with 64-bit offsets),
   stack (8 / 32 bytes) unchanged, the bf16 4-head split kernel 200 -> 162 (3.6) / 188 -> 149 (3.9)
   registers. A ``(chunk, rows, d)`` load reduced over its first axis (c4e0eb8) was fine under 3.9
   but under 3.6 spilled 336 bytes and reduced through shared memory (1117 instructions per
-  step). Untimed.
+  step). Timed on two H100s (2026-12-07, ``decode_fp8_bound.py``): still 6% slower than the PDL
+  combine at fp8 b1/128k (0.118 against 0.110 ms; before the rework, bf16 b1/128k read 90.2% of
+  cuDNN against the planner's 98.6%, ``decode_stages.py``), so it stays off.
 
 - Chunked prefill (``--q-len 2048``: the Hopper tiles for 16-token pages, 128 x 128, 8 warps, 3
   stages, table prefetch), triton 3.9 against 3.6 (2026-12-06): 255 registers under both, 64 bytes
