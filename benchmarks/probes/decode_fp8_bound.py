@@ -58,6 +58,23 @@ under a 128- or 96-register cap, and bf16 with ``share_kv_offsets`` (``BF16_VARI
 timed on an H100 on 2026-12-07 and are dropped from the default list) at the fp8 planner's split
 count. ``ratio_bf16`` is the library bf16 row's time over the row's time (sequences x tokens / s).
 
+Dynamic chunks (``PROBE=pair,pairdyn4,pairdyn4f4,...``, 2026-12-07 evening): every implementation,
+cuDNN included, reads a launch of 0.5-1 GB (b1/128k, b64/4k) 12-20 us slower than its large-batch
+rate predicts, and at b1/128k that fixed cost is what holds fp8 under 1.8x the bf16 kernel. Part of
+it may be the uneven finish of one wave of equal programs. ``pairdyn<C>`` gives the programs of one
+(sequence, KV head) chunks of ``C`` tiles from an atomic counter instead of equal splits, so a program
+that reads faster takes more chunks; ``f<P>`` sizes the grid to ``P`` programs per SM (b1/128k
+``f4``: 66 programs per KV head, 528 in all, where equal splits must divide the context; b64/4k
+``f8``: two programs per sequence and KV head, the second wave helping the first). H100 (2026-12-07
+evening, triton 3.6, x the bf16 default in the same run; static ``pair`` first): b1/128k 1.84 against
+1.76 (``pairdyn4``, 64 programs per KV head), 1.77 (``pairdyn4f4``, 66), 1.78 (``pairdyn2f4``), 1.77
+(``pairdyn4f8``, 132); b32/32k (2 programs per sequence and KV head) 1.91 against 1.90 / 1.89 /
+1.88 for chunks of 4 / 8 / 16 tiles; b64/4k 1.86 against 1.89 (``pairdyn4``, one program each: no
+one to share with), 1.84 (``pairdyn4f8``, two programs); b256/4k 1.87 against 1.88. So claiming
+chunks never paid where programs share work (the fixed cost is not an uneven finish); where each
+program has its own (sequence, KV head) the chunked loop alone read 0.5-1.9% faster, a loop-shape
+effect (a pipeline prologue per chunk) that the library's kernel does not share. Not ported.
+
 Run on the GPU: ``cd benchmarks/probes && PYTHONPATH=../../src:. python decode_fp8_bound.py [out.json]``
 (``SHAPES=32:32768:0,...`` for fewer shapes; ``SHAPES=64:4096:2/4`` adds the fp8 rows and the bf16
 default at 2 and 4 splits; ``LIB=vpr128,bytes`` narrows the fp8 variants); ``DEV=cpu TRITON_INTERPRET=1 ... --tiny``
@@ -108,16 +125,82 @@ BF16_VARIANTS: dict[str, dict[str, Any]] = {"so": {"share_kv_offsets": True}}
 PROBE_VARIANTS = (("pair", 4, 2, 0),)
 
 
+def probe_variants() -> list[tuple[str, int, int, int]]:
+    """``PROBE_VARIANTS``, or the modes of ``PROBE=pair,pairdyn4,pairdyn2f4`` (4 warps, 2 stages, no
+    register cap)."""
+    env = os.environ.get("PROBE")
+    return [(m, 4, 2, 0) for m in env.split(",") if m] if env else list(PROBE_VARIANTS)
+
+
+def parse_probe_mode(mode: str) -> tuple[str, int, int]:
+    """``(kernel mode, chunk, programs per SM)`` of a probe mode: ``pair`` static splits (the fp8
+    planner's count); ``pairdyn<C>`` the same number of programs per (sequence, KV head) claiming
+    chunks of ``C`` tiles; ``pairdyn<C>f<P>`` with ``P`` programs per SM in all (at least one per
+    sequence and KV head) instead."""
+    if "dyn" not in mode:
+        return mode, 0, 0
+    base, rest = mode.split("dyn")
+    chunk, _, per_sm = rest.partition("f")
+    return base, int(chunk), int(per_sm or 0)
+
+
 @triton.jit
-def _fp8_decode(Q, K, V, VT, MidO, MidLse, BT, qk_scale, v_scale, ctx, num_splits,
+def _fp8_tile(s, q, acc, acc_e, acc_o, l_i, m_i, K, V, VT, bt, kvh, qk_scale,
+              stride_kb, stride_kt, stride_kh, stride_vtb, stride_vth,
+              BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, V_MODE: tl.constexpr,
+              ASM: tl.constexpr):  # fmt: skip
+    """One ``BLOCK_N``-token tile from token ``s`` folded into the online-softmax state."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    offs_c = tl.arange(0, D // 2)
+    j = s + offs_n
+    blk = tl.load(bt + j // PAGE)
+    k = tl.load(K + (blk * stride_kb + (j % PAGE) * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :])
+    if V_MODE == 2:  # V as int16 pairs of bytes (strides halved by the launcher)
+        v = tl.load(
+            V
+            + (blk * (stride_kb // 2) + (j % PAGE) * (stride_kt // 2) + kvh * (stride_kh // 2))[:, None]
+            + offs_c[None, :]
+        )
+    elif V_MODE == 1:
+        col = tl.max_contiguous(tl.multiple_of(blk * stride_vtb + j % PAGE, PAGE), PAGE)
+        vt = tl.load(VT + kvh * stride_vth + offs_d[:, None] * PAGE + col[None, :])
+        v = tl.trans(vt)
+    else:
+        v = tl.load(
+            V + (blk * stride_kb + (j % PAGE) * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :]
+        )
+    qk = tl.dot(q, tl.trans(k.to(tl.float16))) * qk_scale
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if V_MODE == 2:
+        ve, vo = _split_pairs(v, ASM)
+        pf = p.to(tl.float16)
+        acc_e = acc_e * alpha[:, None] + tl.dot(pf, ve)
+        acc_o = acc_o * alpha[:, None] + tl.dot(pf, vo)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+    return acc, acc_e, acc_o, l_i, m_new
+
+
+@triton.jit
+def _fp8_decode(Q, K, V, VT, MidO, MidLse, BT, Ctr, qk_scale, v_scale, ctx, num_splits, epoch,
                 stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vtb, stride_vth, stride_btb,
                 G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                PAGE: tl.constexpr, V_MODE: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+                PAGE: tl.constexpr, V_MODE: tl.constexpr, ASM: tl.constexpr, DYN: tl.constexpr):  # fmt: skip
+    """``DYN = 0``: split ``program_id(1)`` of ``num_splits`` takes the ``ctx / num_splits`` tokens
+    of its index. ``DYN = c``: the programs of one (sequence, KV head) take chunks of ``c`` tiles in
+    turn from an atomic counter (``Ctr``, minus ``epoch``: the counts earlier launches left there)
+    until none is left, the next chunk claimed before the current one's tiles: a program that
+    reads faster takes more chunks, so the programs of a wave finish within about one chunk of
+    each other. Decode attention needs no token order within a split, so any set of chunks can
+    fold into one partial."""
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     row_ok = offs_m < G
     head = kvh * G + offs_m
@@ -125,8 +208,6 @@ def _fp8_decode(Q, K, V, VT, MidO, MidLse, BT, qk_scale, v_scale, ctx, num_split
         Q + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0
     )
     q = q.to(tl.float16)
-    per = ctx // num_splits
-    lo = split * per
     bt = BT + b * stride_btb
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     acc_e = tl.zeros([BLOCK_M, D // 2], dtype=tl.float32)  # pair mode: even / odd V columns
@@ -134,50 +215,40 @@ def _fp8_decode(Q, K, V, VT, MidO, MidLse, BT, qk_scale, v_scale, ctx, num_split
     offs_c = tl.arange(0, D // 2)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in range(lo, lo + per, BLOCK_N):
-        j = s + offs_n
-        blk = tl.load(bt + j // PAGE)
-        k = tl.load(
-            K + (blk * stride_kb + (j % PAGE) * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :]
-        )
-        if V_MODE == 2:  # V as int16 pairs of bytes (strides halved by the launcher)
-            v = tl.load(
-                V
-                + (blk * (stride_kb // 2) + (j % PAGE) * (stride_kt // 2) + kvh * (stride_kh // 2))[:, None]
-                + offs_c[None, :]
-            )
-        elif V_MODE == 1:
-            col = tl.max_contiguous(tl.multiple_of(blk * stride_vtb + j % PAGE, PAGE), PAGE)
-            vt = tl.load(VT + kvh * stride_vth + offs_d[:, None] * PAGE + col[None, :])
-            v = tl.trans(vt)
-        else:
-            v = tl.load(
-                V + (blk * stride_kb + (j % PAGE) * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :]
-            )
-        qk = tl.dot(q, tl.trans(k.to(tl.float16))) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if V_MODE == 2:
-            ve, vo = _split_pairs(v, ASM)
-            pf = p.to(tl.float16)
-            acc_e = acc_e * alpha[:, None] + tl.dot(pf, ve)
-            acc_o = acc_o * alpha[:, None] + tl.dot(pf, vo)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
-        m_i = m_new
+    if DYN:
+        n_chunks = ctx // (DYN * BLOCK_N)
+        ctr = Ctr + b * tl.num_programs(0) + kvh
+        c = tl.atomic_add(ctr, 1, sem="relaxed") - epoch
+        while c < n_chunks:
+            c_next = tl.atomic_add(ctr, 1, sem="relaxed") - epoch
+            lo = c * (DYN * BLOCK_N)
+            for s in range(lo, lo + DYN * BLOCK_N, BLOCK_N):
+                acc, acc_e, acc_o, l_i, m_i = _fp8_tile(
+                    s, q, acc, acc_e, acc_o, l_i, m_i, K, V, VT, bt, kvh, qk_scale,
+                    stride_kb, stride_kt, stride_kh, stride_vtb, stride_vth, BLOCK_N, D, PAGE, V_MODE, ASM,
+                )  # fmt: skip
+            c = c_next
+    else:
+        per = ctx // num_splits
+        lo = split * per
+        for s in range(lo, lo + per, BLOCK_N):
+            acc, acc_e, acc_o, l_i, m_i = _fp8_tile(
+                s, q, acc, acc_e, acc_o, l_i, m_i, K, V, VT, bt, kvh, qk_scale,
+                stride_kb, stride_kt, stride_kh, stride_vtb, stride_vth, BLOCK_N, D, PAGE, V_MODE, ASM,
+            )  # fmt: skip
     nsp = tl.num_programs(1)
     base = (b * tl.num_programs(0) * G + head) * nsp + split
+    seen = l_i > 0.0  # a dynamic program may find every chunk taken
+    l_div = tl.where(seen, l_i, 1.0)
     if V_MODE == 2:
         o_row = MidO + base[:, None] * D + 2 * offs_c[None, :]
-        tl.store(o_row, acc_e / l_i[:, None] * v_scale, mask=row_ok[:, None])
-        tl.store(o_row + 1, acc_o / l_i[:, None] * v_scale, mask=row_ok[:, None])
+        tl.store(o_row, acc_e / l_div[:, None] * v_scale, mask=row_ok[:, None])
+        tl.store(o_row + 1, acc_o / l_div[:, None] * v_scale, mask=row_ok[:, None])
     else:
         tl.store(
-            MidO + base[:, None] * D + offs_d[None, :], acc / l_i[:, None] * v_scale, mask=row_ok[:, None]
+            MidO + base[:, None] * D + offs_d[None, :], acc / l_div[:, None] * v_scale, mask=row_ok[:, None]
         )
-    tl.store(MidLse + base, m_i + tl.log2(l_i), mask=row_ok)
+    tl.store(MidLse + base, tl.where(seen, m_i + tl.log2(l_div), float("-inf")), mask=row_ok)
 
 
 @triton.jit
@@ -258,24 +329,35 @@ def _fp8_decode_wb(Q, K, V, VT, MidO, MidLse, BT, qk_scale, v_scale, ctx, num_sp
 def fp8_decode(
     q: Tensor, k8: Tensor, v8: Tensor, vt8: Tensor, bt: Tensor, ctx: int, splits: int,
     k_scale: float, v_scale: float, mid: tuple[Tensor, Tensor], mode: str, warps: int = 4, stages: int = 2, maxnreg: int = 0,
+    dyn: tuple[int, Tensor, list[int]] | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Partial outputs ``(b, h, splits, d)`` float32 and base-2 LSEs ``(b, h, splits)`` of a decode of
     ``q (b, h, d)`` over fp8 caches (one scale per cache here) with ``splits`` equal splits; ``mode``
     ``[wb]std|vt|pair``: V from ``v8``, from its token-contiguous copy ``vt8``, or from ``v8`` read as
-    int16 byte pairs split into even and odd columns (``_split_pairs``); ``wb`` one slice per warp."""
+    int16 byte pairs split into even and odd columns (``_split_pairs``); ``wb`` one slice per warp.
+    ``dyn = (chunk, counters, launches)``: ``splits`` programs per (sequence, KV head) claim chunks of
+    ``chunk`` tiles from ``counters`` (int32 ``(b, nheads_k)``, zero before the first launch);
+    ``launches[0]`` counts the launches so far (each adds ``ctx / (chunk * BLOCK_N) + splits`` to
+    every counter)."""
     b, h, d = q.shape
     hk, page = k8.shape[2], k8.shape[1]
-    assert ctx % (splits * BLOCK_N) == 0, (ctx, splits)
     mo, ml = mid
+    chunk, ctr, launches = dyn if dyn else (0, ml, [0])  # static launches never read the counters
+    step = chunk * BLOCK_N if chunk else splits * BLOCK_N
+    assert ctx % step == 0, (ctx, splits, chunk)
     qk_scale = d**-0.5 * k_scale * 1.4426950408889634
     wb = mode.startswith("wb")
     v_mode = 2 if mode.endswith("pair") else int(mode.endswith("vt"))
     v_arg = v8.view(torch.int16) if v_mode == 2 else v8  # byte pairs: strides halved in the kernel
-    kernel, extra = (_fp8_decode_wb, {"NW": warps}) if wb else (_fp8_decode, {})
+    kernel, extra = (_fp8_decode_wb, {"NW": warps}) if wb else (_fp8_decode, {"DYN": chunk})
+    assert not (wb and chunk), "dynamic chunks: the unsliced kernel only"
     if maxnreg:
         extra["maxnreg"] = maxnreg
+    ctr_args = () if wb else (ctr,)
+    epoch_args = () if wb else (launches[0] * (ctx // step + splits) if chunk else 0,)
+    launches[0] += 1
     kernel[(hk, splits, b)](
-        q, k8, v_arg, vt8, mo, ml, bt, qk_scale, v_scale, ctx, splits,
+        q, k8, v_arg, vt8, mo, ml, bt, *ctr_args, qk_scale, v_scale, ctx, splits, *epoch_args,
         q.stride(0), q.stride(1), k8.stride(0), k8.stride(1), k8.stride(2), vt8.stride(0), vt8.stride(1),
         bt.stride(0), G=h // hk, BLOCK_M=16, BLOCK_N=BLOCK_N, D=d, PAGE=page, V_MODE=v_mode,
         ASM=q.is_cuda,
@@ -359,13 +441,21 @@ def probe_shape(
     splits = next(r["splits"] for r, _ in rows if r.get("kv") == "fp8")
     while ctx % (splits * BLOCK_N):
         splits //= 2
-    mid = (
-        torch.empty(b, h, splits, d, device=dev, dtype=torch.float32),
-        torch.empty(b, h, splits, device=dev, dtype=torch.float32),
-    )
-    for mode, warps, stages, nreg in PROBE_VARIANTS:
-        args = (q, k8, v8, vt8, bt, ctx, splits, ks[0].item(), vs[0].item(), mid, mode, warps, stages, nreg)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+    for mode, warps, stages, nreg in probe_variants():
+        base_mode, chunk, per_sm = parse_probe_mode(mode)
+        n_prog = max(1, per_sm * sms // (b * hk)) if per_sm else splits
+        if chunk:
+            chunk = min(chunk, ctx // BLOCK_N)
+        mid = (
+            torch.empty(b, h, n_prog, d, device=dev, dtype=torch.float32),
+            torch.empty(b, h, n_prog, device=dev, dtype=torch.float32),
+        )
+        dyn = (chunk, torch.zeros(b, hk, dtype=torch.int32, device=dev), [0]) if chunk else None
+        args = (q, k8, v8, vt8, bt, ctx, n_prog, ks[0].item(), vs[0].item(), mid, base_mode, warps, stages, nreg,
+                dyn)  # fmt: skip
         try:  # a probe kernel that fails to build or to match is reported, not timed
+            fp8_decode(*args)  # the second launch checks the dynamic counters' epoch too
             err = (merge(*fp8_decode(*args)) - ref8.float()).abs().max().item()
         except Exception as exc:
             err, why = float("inf"), f"{type(exc).__name__}: {exc}"[:300]
@@ -378,7 +468,7 @@ def probe_shape(
             "impl": "probe",
             "kv": "fp8",
             "variant": f"{mode}w{warps}s{stages}" + (f"r{nreg}" if nreg else ""),
-            "splits": splits,
+            "splits": n_prog,
         }
         rows.append((label, lambda args=args: fp8_decode(*args)))
     kv_bytes = 2 * b * ctx * hk * d * 2  # bf16 bytes: TB/s columns in bf16-equivalent units
