@@ -74,6 +74,10 @@ one to share with), 1.84 (``pairdyn4f8``, two programs); b256/4k 1.87 against 1.
 chunks never paid where programs share work (the fixed cost is not an uneven finish); where each
 program has its own (sequence, KV head) the chunked loop alone read 0.5-1.9% faster, a loop-shape
 effect (a pipeline prologue per chunk) that the library's kernel does not share. Not ported.
+``pairchunk<C>`` isolates that shape: static splits walked as an outer loop over chunks of ``C`` tiles
+around an inner loop of ``C`` (no counter). Untimed: ``PROBE=pair,pairchunk4,pairchunk8,pairdyn4
+SHAPES=64:4096:0,256:4096:0,1:131072:0``; if it reads like ``pairdyn4`` at one program per sequence
+and KV head, the library's mask-free loop is worth the same shape.
 
 Run on the GPU: ``cd benchmarks/probes && PYTHONPATH=../../src:. python decode_fp8_bound.py [out.json]``
 (``SHAPES=32:32768:0,...`` for fewer shapes; ``SHAPES=64:4096:2/4`` adds the fp8 rows and the bf16
@@ -126,7 +130,7 @@ PROBE_VARIANTS = (("pair", 4, 2, 0),)
 
 
 def probe_variants() -> list[tuple[str, int, int, int]]:
-    """``PROBE_VARIANTS``, or the modes of ``PROBE=pair,pairdyn4,pairdyn2f4`` (4 warps, 2 stages, no
+    """``PROBE_VARIANTS``, or the modes of ``PROBE=pair,pairchunk4,pairdyn4,pairdyn2f4`` (4 warps, 2 stages, no
     register cap)."""
     env = os.environ.get("PROBE")
     return [(m, 4, 2, 0) for m in env.split(",") if m] if env else list(PROBE_VARIANTS)
@@ -142,6 +146,12 @@ def parse_probe_mode(mode: str) -> tuple[str, int, int]:
     base, rest = mode.split("dyn")
     chunk, _, per_sm = rest.partition("f")
     return base, int(chunk), int(per_sm or 0)
+
+
+def parse_chunk_loop(mode: str) -> tuple[str, int]:
+    """``(mode, c)`` of ``<mode>chunk<c>`` (static splits in chunks of ``c`` tiles), else ``(mode, 0)``."""
+    base, _, c = mode.partition("chunk")
+    return base, int(c or 0)
 
 
 @triton.jit
@@ -189,9 +199,12 @@ def _fp8_tile(s, q, acc, acc_e, acc_o, l_i, m_i, K, V, VT, bt, kvh, qk_scale,
 def _fp8_decode(Q, K, V, VT, MidO, MidLse, BT, Ctr, qk_scale, v_scale, ctx, num_splits, epoch,
                 stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vtb, stride_vth, stride_btb,
                 G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                PAGE: tl.constexpr, V_MODE: tl.constexpr, ASM: tl.constexpr, DYN: tl.constexpr):  # fmt: skip
+                PAGE: tl.constexpr, V_MODE: tl.constexpr, ASM: tl.constexpr, DYN: tl.constexpr,
+                CHUNK: tl.constexpr):  # fmt: skip
     """``DYN = 0``: split ``program_id(1)`` of ``num_splits`` takes the ``ctx / num_splits`` tokens
-    of its index. ``DYN = c``: the programs of one (sequence, KV head) take chunks of ``c`` tiles in
+    of its index, in one loop over its tiles or (``CHUNK = c``) in an outer loop over chunks of ``c``
+    tiles around an inner loop of ``c`` (a trip count the compiler knows: the loop shape of ``DYN``
+    without its counter). ``DYN = c``: the programs of one (sequence, KV head) take chunks of ``c`` tiles in
     turn from an atomic counter (``Ctr``, minus ``epoch``: the counts earlier launches left there)
     until none is left, the next chunk claimed before the current one's tiles: a program that
     reads faster takes more chunks, so the programs of a wave finish within about one chunk of
@@ -228,6 +241,15 @@ def _fp8_decode(Q, K, V, VT, MidO, MidLse, BT, Ctr, qk_scale, v_scale, ctx, num_
                     stride_kb, stride_kt, stride_kh, stride_vtb, stride_vth, BLOCK_N, D, PAGE, V_MODE, ASM,
                 )  # fmt: skip
             c = c_next
+    elif CHUNK:
+        per = ctx // num_splits
+        lo = split * per
+        for c0 in range(lo, lo + per, CHUNK * BLOCK_N):
+            for s in range(c0, c0 + CHUNK * BLOCK_N, BLOCK_N):
+                acc, acc_e, acc_o, l_i, m_i = _fp8_tile(
+                    s, q, acc, acc_e, acc_o, l_i, m_i, K, V, VT, bt, kvh, qk_scale,
+                    stride_kb, stride_kt, stride_kh, stride_vtb, stride_vth, BLOCK_N, D, PAGE, V_MODE, ASM,
+                )  # fmt: skip
     else:
         per = ctx // num_splits
         lo = split * per
@@ -329,7 +351,7 @@ def _fp8_decode_wb(Q, K, V, VT, MidO, MidLse, BT, qk_scale, v_scale, ctx, num_sp
 def fp8_decode(
     q: Tensor, k8: Tensor, v8: Tensor, vt8: Tensor, bt: Tensor, ctx: int, splits: int,
     k_scale: float, v_scale: float, mid: tuple[Tensor, Tensor], mode: str, warps: int = 4, stages: int = 2, maxnreg: int = 0,
-    dyn: tuple[int, Tensor, list[int]] | None = None,
+    dyn: tuple[int, Tensor, list[int]] | None = None, chunk_loop: int = 0,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Partial outputs ``(b, h, splits, d)`` float32 and base-2 LSEs ``(b, h, splits)`` of a decode of
     ``q (b, h, d)`` over fp8 caches (one scale per cache here) with ``splits`` equal splits; ``mode``
@@ -338,19 +360,26 @@ def fp8_decode(
     ``dyn = (chunk, counters, launches)``: ``splits`` programs per (sequence, KV head) claim chunks of
     ``chunk`` tiles from ``counters`` (int32 ``(b, nheads_k)``, zero before the first launch);
     ``launches[0]`` counts the launches so far (each adds ``ctx / (chunk * BLOCK_N) + splits`` to
-    every counter)."""
+    every counter). ``chunk_loop = c``: static splits walked in chunks of ``c`` tiles."""
     b, h, d = q.shape
     hk, page = k8.shape[2], k8.shape[1]
     mo, ml = mid
     chunk, ctr, launches = dyn if dyn else (0, ml, [0])  # static launches never read the counters
     step = chunk * BLOCK_N if chunk else splits * BLOCK_N
-    assert ctx % step == 0, (ctx, splits, chunk)
+    assert ctx % step == 0 and ctx % (splits * BLOCK_N * max(1, chunk_loop)) == 0, (
+        ctx,
+        splits,
+        chunk,
+        chunk_loop,
+    )
     qk_scale = d**-0.5 * k_scale * 1.4426950408889634
     wb = mode.startswith("wb")
     v_mode = 2 if mode.endswith("pair") else int(mode.endswith("vt"))
     v_arg = v8.view(torch.int16) if v_mode == 2 else v8  # byte pairs: strides halved in the kernel
-    kernel, extra = (_fp8_decode_wb, {"NW": warps}) if wb else (_fp8_decode, {"DYN": chunk})
-    assert not (wb and chunk), "dynamic chunks: the unsliced kernel only"
+    kernel, extra = (
+        (_fp8_decode_wb, {"NW": warps}) if wb else (_fp8_decode, {"DYN": chunk, "CHUNK": chunk_loop})
+    )
+    assert not (wb and (chunk or chunk_loop)), "chunks: the unsliced kernel only"
     if maxnreg:
         extra["maxnreg"] = maxnreg
     ctr_args = () if wb else (ctr,)
@@ -443,7 +472,8 @@ def probe_shape(
         splits //= 2
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
     for mode, warps, stages, nreg in probe_variants():
-        base_mode, chunk, per_sm = parse_probe_mode(mode)
+        loop_mode, chunk_loop = parse_chunk_loop(mode)
+        base_mode, chunk, per_sm = parse_probe_mode(loop_mode)
         n_prog = max(1, per_sm * sms // (b * hk)) if per_sm else splits
         if chunk:
             chunk = min(chunk, ctx // BLOCK_N)
@@ -453,7 +483,7 @@ def probe_shape(
         )
         dyn = (chunk, torch.zeros(b, hk, dtype=torch.int32, device=dev), [0]) if chunk else None
         args = (q, k8, v8, vt8, bt, ctx, n_prog, ks[0].item(), vs[0].item(), mid, base_mode, warps, stages, nreg,
-                dyn)  # fmt: skip
+                dyn, chunk_loop)  # fmt: skip
         try:  # a probe kernel that fails to build or to match is reported, not timed
             fp8_decode(*args)  # the second launch checks the dynamic counters' epoch too
             err = (merge(*fp8_decode(*args)) - ref8.float()).abs().max().item()
