@@ -77,7 +77,11 @@ effect (a pipeline prologue per chunk) that the library's kernel does not share.
 ``pairchunk<C>`` isolates that shape: static splits walked as an outer loop over chunks of ``C`` tiles
 around an inner loop of ``C`` (no counter). Untimed: ``PROBE=pair,pairchunk4,pairchunk8,pairdyn4
 SHAPES=64:4096:0,256:4096:0,1:131072:0``; if it reads like ``pairdyn4`` at one program per sequence
-and KV head, the library's mask-free loop is worth the same shape.
+and KV head, the library's mask-free loop is worth the same shape. Offline sm_90 SASS (triton 3.6,
+pair tiles): static 121 registers and one 604-instruction tile loop; ``pairchunk4`` 118 registers,
+the same inner loop (three of a chunk's four tiles) and a 704-instruction outer body (the chunk's
+last tile, peeled, with the next chunk's first loads); ``pairdyn4`` 125 registers, 616 + 740. All
+four programs per SM, the same 40 KiB of shared memory.
 
 Run on the GPU: ``cd benchmarks/probes && PYTHONPATH=../../src:. python decode_fp8_bound.py [out.json]``
 (``SHAPES=32:32768:0,...`` for fewer shapes; ``SHAPES=64:4096:2/4`` adds the fp8 rows and the bf16
