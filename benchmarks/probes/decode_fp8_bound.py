@@ -72,8 +72,9 @@ evening, triton 3.6, x the bf16 default in the same run; static ``pair`` first):
 1.88 for chunks of 4 / 8 / 16 tiles; b64/4k 1.86 against 1.89 (``pairdyn4``, one program each: no
 one to share with), 1.84 (``pairdyn4f8``, two programs); b256/4k 1.87 against 1.88. So claiming
 chunks never paid where programs share work (the fixed cost is not an uneven finish); where each
-program has its own (sequence, KV head) the chunked loop alone read 0.5-1.9% faster, a loop-shape
-effect (a pipeline prologue per chunk) that the library's kernel does not share. Not ported.
+program has its own (sequence, KV head) the chunked loop alone read 0.5-1.9% faster: perhaps the
+loop's shape (a peeled tile and a pipeline prologue per chunk), which the library's kernel does not
+have. Not ported.
 ``pairchunk<C>`` isolates that shape: static splits walked as an outer loop over chunks of ``C`` tiles
 around an inner loop of ``C`` (no counter). Untimed: ``PROBE=pair,pairchunk4,pairchunk8,pairdyn4
 SHAPES=64:4096:0,256:4096:0,1:131072:0``; if it reads like ``pairdyn4`` at one program per sequence
@@ -369,13 +370,9 @@ def fp8_decode(
     hk, page = k8.shape[2], k8.shape[1]
     mo, ml = mid
     chunk, ctr, launches = dyn if dyn else (0, ml, [0])  # static launches never read the counters
-    step = chunk * BLOCK_N if chunk else splits * BLOCK_N
-    assert ctx % step == 0 and ctx % (splits * BLOCK_N * max(1, chunk_loop)) == 0, (
-        ctx,
-        splits,
-        chunk,
-        chunk_loop,
-    )
+    # Dynamic chunks need whole chunks only (any program count); static splits whole tiles (chunks).
+    step = chunk * BLOCK_N if chunk else splits * BLOCK_N * max(1, chunk_loop)
+    assert ctx % step == 0, (ctx, splits, chunk, chunk_loop)
     qk_scale = d**-0.5 * k_scale * 1.4426950408889634
     wb = mode.startswith("wb")
     v_mode = 2 if mode.endswith("pair") else int(mode.endswith("vt"))
@@ -387,7 +384,7 @@ def fp8_decode(
     if maxnreg:
         extra["maxnreg"] = maxnreg
     ctr_args = () if wb else (ctr,)
-    epoch_args = () if wb else (launches[0] * (ctx // step + splits) if chunk else 0,)
+    epoch_args = () if wb else (launches[0] * (ctx // (chunk * BLOCK_N) + splits) if chunk else 0,)
     launches[0] += 1
     kernel[(hk, splits, b)](
         q, k8, v_arg, vt8, mo, ml, bt, *ctr_args, qk_scale, v_scale, ctx, splits, *epoch_args,
