@@ -141,22 +141,20 @@ def probe_variants() -> list[tuple[str, int, int, int]]:
     return [(m, 4, 2, 0) for m in env.split(",") if m] if env else list(PROBE_VARIANTS)
 
 
-def parse_probe_mode(mode: str) -> tuple[str, int, int]:
-    """``(kernel mode, chunk, programs per SM)`` of a probe mode: ``pair`` static splits (the fp8
-    planner's count); ``pairdyn<C>`` the same number of programs per (sequence, KV head) claiming
-    chunks of ``C`` tiles; ``pairdyn<C>f<P>`` with ``P`` programs per SM in all (at least one per
-    sequence and KV head) instead."""
+def parse_probe_mode(mode: str) -> tuple[str, int, int, int]:
+    """``(kernel mode, chunk, programs per SM, chunk loop)`` of a probe mode: ``pair`` static splits
+    (the fp8 planner's count); ``pairdyn<C>`` the same number of programs per (sequence, KV head)
+    claiming chunks of ``C`` tiles; ``pairdyn<C>f<P>`` with ``P`` programs per SM in all (at least
+    one per sequence and KV head) instead; ``pairchunk<C>`` static splits walked in chunks of ``C``
+    tiles."""
+    if "chunk" in mode:
+        base, c = mode.split("chunk")
+        return base, 0, 0, int(c)
     if "dyn" not in mode:
-        return mode, 0, 0
+        return mode, 0, 0, 0
     base, rest = mode.split("dyn")
     chunk, _, per_sm = rest.partition("f")
-    return base, int(chunk), int(per_sm or 0)
-
-
-def parse_chunk_loop(mode: str) -> tuple[str, int]:
-    """``(mode, c)`` of ``<mode>chunk<c>`` (static splits in chunks of ``c`` tiles), else ``(mode, 0)``."""
-    base, _, c = mode.partition("chunk")
-    return base, int(c or 0)
+    return base, int(chunk), int(per_sm or 0), 0
 
 
 @triton.jit
@@ -473,8 +471,7 @@ def probe_shape(
         splits //= 2
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
     for mode, warps, stages, nreg in probe_variants():
-        loop_mode, chunk_loop = parse_chunk_loop(mode)
-        base_mode, chunk, per_sm = parse_probe_mode(loop_mode)
+        base_mode, chunk, per_sm, chunk_loop = parse_probe_mode(mode)
         n_prog = max(1, per_sm * sms // (b * hk)) if per_sm else splits
         if chunk:
             chunk = min(chunk, ctx // BLOCK_N)
