@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from flashpage import flash_attn_with_kvcache
-from flashpage.ops.paged_decode import paged_decode
+from flashpage.ops.paged_decode import launch_paged_attention, paged_decode
 from flashpage.ops.paged_plan import plan_decode, run_decode
 
 
@@ -93,6 +93,11 @@ def ctx_rows(ctx: int, n: int, dev: torch.device, tiny: bool) -> list[dict[str, 
     cases: dict[str, Callable[[], Any]] = {
         "run_decode": lambda: run_decode(plan, q, kc, vc, bt, seqlens, out=out),
         "run_decode (new out)": lambda: run_decode(plan, q, kc, vc, bt, seqlens),
+        # What run_decode did per call before it bound its launches (and still does on a new layout).
+        "launch_paged_attention (unbound)": lambda: launch_paged_attention(
+            q, kc, vc, out, seqlens, max_seqlen_q=1, block_table=bt, softmax_scale=plan.softmax_scale,
+            num_splits=plan.num_splits, config=plan.config, workspace=plan.workspace,
+        ),
         "paged_decode validate=False": lambda: paged_decode(q, kc, vc, bt, seqlens, validate=False),
         "flash_attn_with_kvcache validate=False": lambda: flash_attn_with_kvcache(
             q4, kc, vc, cache_seqlens=seqlens, block_table=bt, validate=False

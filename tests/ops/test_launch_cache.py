@@ -33,6 +33,7 @@ from flashpage.ops.launch_cache import (
     next_pow2,
     programs_per_sm,
 )
+from flashpage.ops.paged_plan import DecodePlan, plan_decode, run_decode
 from flashpage.ops.reference import attention_ref, varlen_attention_ref
 from tests.tolerance import assert_close_to_ref
 
@@ -317,6 +318,32 @@ def test_paged_attention_replays_bit_identically(
     assert len(pd._PAGED_LAUNCHES) == 2
 
 
+def test_run_decode_relaunches_the_compiled_kernels(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    """A decode plan's bound launches go through the compiled kernels' launchers (the stand-in on
+    CPU) with each call's tensors, bit-identical to a fresh plan's first launch."""
+    b, h, hk, d, bs, nb = 3, 8, 2, 32, 16, 24
+    k_cache, v_cache = torch.randn(nb, bs, hk, d), torch.randn(nb, bs, hk, d)
+    table = torch.randperm(nb, dtype=torch.int32)[: b * 8].reshape(b, 8)
+
+    def plan() -> DecodePlan:
+        return plan_decode(b, h, hk, d, block_size=bs, max_seqlen_k=128, q_dtype=torch.float32,
+                           device=device, num_splits=3)  # fmt: skip
+
+    fakes = _fresh_caches(monkeypatch, device, pd, _PAGED_CACHES)
+    p = plan()
+    calls = [
+        (torch.randn(b, h, d), torch.tensor(lens, dtype=torch.int32))
+        for lens in ([40, 77, 128], [9, 100, 33])
+    ]
+    got = [run_decode(p, q, k_cache, v_cache, table, lens) for q, lens in calls + calls[::-1]]
+    if fakes:
+        for name in _PAGED_CACHES:
+            assert fakes[name].launches == 1 and fakes[name].replays == 3, name
+    for (q, lens), out in zip(calls + calls[::-1], got, strict=True):
+        _fresh_caches(monkeypatch, device, pd, _PAGED_CACHES)
+        assert torch.equal(run_decode(plan(), q, k_cache, v_cache, table, lens), out)
+
+
 def _vec_args(x: Tensor, y: Tensor) -> tuple[list[Any], dict[str, Any]]:
     return [x, y, x.numel()], {"BLOCK": 16}
 
@@ -390,6 +417,33 @@ def test_compiled_makes_the_plan_launch_replays() -> None:
     # nothing to compile without warmup (the interpreter's kernels): None, no plan
     plain = LaunchCache(_FakeJit(_add_one_kernel))
     assert plain.compiled("k", (0, 1), (x, y), build) is None and len(plain) == 0
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "interpreted"])
+def test_bound_launch_refills_only_its_open_slots(compiled: bool) -> None:
+    """``launch(..., bind=positions)`` hands back the launch with those positions emptied (no
+    per-call tensor kept alive); ``relaunch`` fills them and launches, through the compiled kernel
+    where there is one (the stand-in here), else through ``kernel[grid]`` with the bound options."""
+    kernel = _FakeJit(_add_one_kernel) if compiled else _add_one_kernel
+    cache = LaunchCache(kernel)
+    x, y = torch.arange(20.0), torch.zeros(20)
+
+    def build() -> tuple[list[Any], dict[str, Any]]:
+        return [x, y, 20], {"BLOCK": 16}
+
+    first = cache.launch("k", (2,), (0, 1), (x, y), build, bind=(0, 1))  # compiles (or interprets)
+    again = cache.launch("k", (2,), (0, 1), (x, y), build, bind=(0, 1))  # a plan's replay, if any
+    assert cache.launch("k", (2,), (0, 1), (x, y), build) is None  # nothing bound unless asked
+    torch.testing.assert_close(y, x + 1)
+    for bound in (first, again):
+        assert bound is not None and bound._args[:2] == [None, None] and bound._args[2] == 20
+        x2, y2 = torch.randn(20), torch.zeros(20)
+        bound.relaunch((x2, y2))
+        torch.testing.assert_close(y2, x2 + 1)
+        with pytest.raises(ValueError):  # every open position, no more
+            bound.relaunch((x2,))
+    if compiled:
+        assert len(cache) == 1 and kernel.launches == 1 and kernel.replays == 4
 
 
 def test_programs_per_sm_occupancy_rules(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -452,6 +452,68 @@ def test_plan_run_matches_and_never_syncs(monkeypatch: pytest.MonkeyPatch, devic
         run_decode(plan, q, kc, vc, bt, sl, lse=torch.empty(nheads, q.shape[0]))
 
 
+@pytest.mark.parametrize("kv", ["fp32", "fp8"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_run_decode_binds_and_relaunches(
+    monkeypatch: pytest.MonkeyPatch, device: str, kv: str, splits: int
+) -> None:
+    """``run_decode`` binds its first launch per tensor layout; later calls with new tensors laid out
+    alike (new values, block tables, lengths, output buffers) only relaunch it (no
+    ``launch_paged_attention``) and match the reference on their own data; an LSE buffer or a
+    larger cache is a new layout and binds anew. fp8: V read as byte pairs, no scales (ones)."""
+    from flashpage.ops import paged_plan
+
+    nheads, nheads_k, d, fp8 = 8, 2, 32, kv == "fp8"
+    sets = []
+    for lens in ([70, 5, 33], [66, 12, 40]):  # the same block counts: caches and tables alike
+        kc, vc, bt, sl = make_paged_cache(lens, 16, nheads_k, d)
+        if fp8:
+            kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+        sets.append((kc, vc, bt, sl))
+    plan = plan_decode(
+        3, nheads, nheads_k, d, block_size=16, max_seqlen_k=80, q_dtype=torch.float32,
+        kv_dtype=sets[0][0].dtype, device=device, num_splits=splits,
+        config=replace(default_decode_config(sets[0][0].dtype, d), block_n=32),  # fp8: 128 by default
+    )  # fmt: skip
+    assert plan.num_splits == splits and plan.config.v_pairs == fp8
+
+    def check(out: Tensor, q: Tensor, kc: Tensor, vc: Tensor, bt: Tensor, sl: Tensor) -> Tensor:
+        ref, lse, same = _refs(q.unsqueeze(1), kc.float(), vc.float(), bt, sl, causal=True)
+        assert_close_to_ref(out, ref[:, 0], same[:, 0])
+        return lse
+
+    q = torch.randn(3, nheads, d)
+    check(run_decode(plan, q, *sets[0]), q, *sets[0])
+    q4 = torch.randn(3, 1, nheads, d)  # (batch, 1, nheads, d): the same rows, another layout
+    check(run_decode(plan, q4, *sets[1])[:, 0], q4[:, 0], *sets[1])
+    assert len(plan.launches) == 2
+
+    def unbound(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a bound layout went through launch_paged_attention")
+
+    with monkeypatch.context() as m:
+        m.setattr(paged_plan, "launch_paged_attention", unbound)
+        for kc, vc, bt, sl in (sets[1], sets[0]):
+            for shape in ((3, nheads, d), (3, 1, nheads, d)):
+                q = torch.randn(shape)
+                out = torch.full_like(q, float("nan"))
+                assert run_decode(plan, q, kc, vc, bt, sl, out=out) is out
+                check(out.view(3, nheads, d), q.view(3, nheads, d), kc, vc, bt, sl)
+    assert len(plan.launches) == 2
+    for i, caches in enumerate((sets[1], sets[0])):  # binds, then relaunches with an LSE buffer
+        lse = torch.full((3, nheads), float("nan"))
+        q = torch.randn(3, nheads, d)
+        with monkeypatch.context() as m:
+            if i:
+                m.setattr(paged_plan, "launch_paged_attention", unbound)
+            want = check(run_decode(plan, q, *caches, lse=lse), q, *caches)
+        torch.testing.assert_close(lse, want[:, :, 0], atol=1e-5, rtol=1e-5)
+    kc, vc, bt, sl = sets[1]
+    big = [torch.cat([c, c[:2]]) for c in (kc, vc)]  # two more blocks: a new cache shape
+    check(run_decode(plan, q, *big, bt, sl), q, *big, bt, sl)
+    assert len(plan.launches) == 4
+
+
 def test_num_splits_planner_rule() -> None:
     # H200 (132 SMs), GQA 8 kv heads: batch 1 at 128k needs 64 splits; big batches need none.
     assert choose_num_splits(1, 8, 131072, 132) == 64

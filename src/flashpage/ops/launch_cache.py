@@ -22,10 +22,17 @@ dtype and 16-byte alignment of each tensor (:func:`aligned`), and for each int s
 descriptor argument must be a slot (checked when a plan is made). The first call of a key, and
 every call under the Triton interpreter (which has no compiled kernel), goes through
 ``kernel[grid]`` unchanged.
+
+A caller that launches the same thing many times with only some tensors changing (a decode plan
+replayed layer after layer, step after step) can go one step further: ``launch(..., bind=positions)``
+also returns a :class:`BoundLaunch`, the launch with every argument bound except those positions,
+which :meth:`BoundLaunch.relaunch` fills and launches without building a key at all. The caller
+then owns the key contract: it may relaunch only with values that specialise as the bound ones did.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +44,7 @@ from torch import Tensor
 
 __all__ = [
     "KERNEL_OPTIONS",
+    "BoundLaunch",
     "LaunchCache",
     "Memo",
     "aligned",
@@ -130,6 +138,34 @@ class Memo:
             return value
 
 
+class BoundLaunch:
+    """One kernel launch with its grid and every argument bound except the ``positions`` given to
+    :meth:`LaunchCache.launch` (emptied, so the launch keeps no per-call tensor alive).
+
+    :meth:`relaunch` fills those positions and launches: on a GPU through the compiled kernel's
+    launcher (``CompiledKernel[grid]``: current device and stream, launch hooks), under the Triton
+    interpreter through ``kernel[grid]`` with the bound compile options, so the same code runs
+    (and is tested) on both.
+    """
+
+    __slots__ = ("_args", "_positions", "_run")
+
+    def __init__(self, run: Callable[..., Any], args: list[Any], positions: tuple[int, ...]) -> None:
+        self._run = run
+        self._positions = positions
+        self._args = list(args)
+        for i in positions:
+            self._args[i] = None
+
+    def relaunch(self, values: Sequence[Any]) -> None:
+        """Launch again with ``values[i]`` as argument ``positions[i]``; the caller guarantees each
+        specialises as the bound call's did (dtype, 16-byte alignment, int class)."""
+        args = self._args.copy()
+        for i, x in zip(self._positions, values, strict=True):
+            args[i] = x
+        self._run(*args)
+
+
 @dataclass
 class _Plan:
     kernel: Any  # triton.compiler.CompiledKernel
@@ -172,7 +208,8 @@ class LaunchCache:
         slots: tuple[int, ...],
         values: Sequence[Any],
         build: Callable[[], tuple[list[Any], dict[str, Any]]],
-    ) -> None:
+        bind: tuple[int, ...] | None = None,
+    ) -> BoundLaunch | None:
         """Launch the kernel on ``grid``.
 
         Args:
@@ -181,19 +218,38 @@ class LaunchCache:
             values: those values, in ``slots`` order (``values[i]`` is argument ``slots[i]``).
             build: returns ``(args, kwargs)`` exactly as for ``kernel[grid](*args, **kwargs)``;
                 called only when the key has no plan yet.
+            bind: positions (among ``slots``) a :class:`BoundLaunch` of this launch should leave
+                open; ``None``: return nothing.
+        Returns:
+            The :class:`BoundLaunch` when ``bind`` is given, else ``None``.
         """
         plan = self._plans.get(key) if key is not None else None
         if plan is not None:
-            args = plan.template.copy()
-            for i, x in zip(plan.slots, values, strict=True):
-                args[i] = x
-            # CompiledKernel[grid] indexes grid[0..2] (JITFunction.run pads the grid itself).
-            plan.kernel[grid if len(grid) == 3 else (*grid, 1, 1)[:3]](*args)
-            return
+            run, args = self._replay(plan, grid, values)
+            run(*args)
+            return BoundLaunch(run, args, bind) if bind is not None else None
         args, kwargs = build()
-        kernel = self.fn[grid](*args, **{**KERNEL_OPTIONS, **kwargs})
+        options = {**KERNEL_OPTIONS, **kwargs}
+        kernel = self.fn[grid](*args, **options)
         if key is not None:
             self._remember(key, kernel, args, kwargs, slots, values)
+        if bind is None:
+            return None
+        plan = self._plans.get(key) if key is not None else None
+        if plan is not None:
+            return BoundLaunch(*self._replay(plan, grid, values), bind)
+        return BoundLaunch(functools.partial(self.fn[grid], **options), args, bind)
+
+    @staticmethod
+    def _replay(
+        plan: _Plan, grid: tuple[int, ...], values: Sequence[Any]
+    ) -> tuple[Callable[..., Any], list[Any]]:
+        """The compiled kernel's launcher for ``grid`` and its full argument list for ``values``."""
+        args = plan.template.copy()
+        for i, x in zip(plan.slots, values, strict=True):
+            args[i] = x
+        # CompiledKernel[grid] indexes grid[0..2] (JITFunction.run pads the grid itself).
+        return plan.kernel[grid if len(grid) == 3 else (*grid, 1, 1)[:3]], args
 
     def compiled(
         self,

@@ -45,13 +45,14 @@ from flashpage.ops.backend import interpreter_enabled
 from flashpage.ops.cache_write import is_fp8_dtype, validate_scale
 from flashpage.ops.flash_configs import pdl_supported, tma_supported
 from flashpage.ops.flash_fwd import make_row_descriptor, tma_row_view_ok
-from flashpage.ops.launch_cache import LaunchCache, Memo, aligned, cdiv, int_specs, next_pow2
+from flashpage.ops.launch_cache import BoundLaunch, LaunchCache, Memo, aligned, cdiv, int_specs, next_pow2
 
 # The roofline planner's split-KV and heads-per-program rules.
 from flashpage.roofline.planner import choose_heads_per_program, choose_num_splits, pow2_divisor_at_most
 
 __all__ = [
     "PagedAttnConfig",
+    "PagedLaunch",
     "PagedTiles",
     "allocate_workspace",
     "check_paged_cache",
@@ -1206,6 +1207,9 @@ _RESOLVED_LAUNCHES = Memo(512)  # resolve_launch's answers
 _COMBINE_LAUNCHES = LaunchCache(_combine_kernel)
 _PAGED_SLOTS = (*range(24), 34, 35, 36, 38, 39, 40, 41, 42)
 _COMBINE_SLOTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13)
+# What a PagedLaunch replaces per call: the paged kernel's tensors, the combine's output and LSE.
+_TENSOR_SLOTS = tuple(range(18))
+_COMBINE_OUT_SLOTS = (2, 3)
 
 
 _MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions
@@ -1326,7 +1330,8 @@ def launch_paged_attention(
     num_splits: int = 1,
     config: PagedAttnConfig | None = None,
     workspace: tuple[Tensor, Tensor, Tensor] | None = None,
-) -> None:
+    bind: bool = False,
+) -> PagedLaunch | None:
     """Launch the paged attention kernel (and the combine when ``num_splits > 1``). No checks, no syncs.
 
     The caller (a validating entry point, or a :class:`~flashpage.ops.paged_plan.DecodePlan`) has
@@ -1348,6 +1353,10 @@ def launch_paged_attention(
         k_scale, v_scale: ``(nheads_k,)`` float32 fp8 dequantisation scales (fp8 caches).
         workspace: ``allocate_workspace(total_q, nheads, num_splits, d, arrivals=batch * nheads_k *
             q_tiles)`` buffers, else allocated here.
+        bind: also return the launch as a :class:`PagedLaunch` (``None`` where TMA descriptors,
+            built from each call's caches, are in use).
+    Returns:
+        The :class:`PagedLaunch` when ``bind``, else ``None``.
     """
     config = config or default_decode_config(k_cache.dtype, q.shape[-1], block_table is not None)
     total_q, nheads, head_dim = q.shape
@@ -1364,6 +1373,7 @@ def launch_paged_attention(
     write_lse = lse is not None
     # The interpreter keeps bf16 as raw uint16 (arithmetic on it is garbage): compute in fp32 there.
     upcast = q.dtype == torch.bfloat16 and interpreter_enabled()
+    unit_scales = fp8 and (k_scale is None or v_scale is None)
     if fp8 and k_scale is None:
         k_scale = torch.ones(nheads_k, dtype=torch.float32, device=q.device)
     if fp8 and v_scale is None:
@@ -1385,7 +1395,6 @@ def launch_paged_attention(
         mid_o, mid_lse, arrivals = out, out, seqlens_k  # unused
     lse_arg = lse if write_lse else out
     lse_strides = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
-    dummy = seqlens_k  # pointer for absent optional tensors (never dereferenced)
     # A paged cache seen as (num_blocks * block_size, nheads_k * d) rows: the flash kernels' row view.
     use_tma = (
         config.use_tma
@@ -1408,13 +1417,9 @@ def launch_paged_attention(
     )
     grid = paged_grid(config, q_tiles, num_splits, tiles.head_programs, batch)
     heads_first = _heads_first(config, q_tiles * num_splits)
-    tensors = (
-        q, k_cache, v_cache, desc_k, desc_v, out, lse_arg, mid_o, mid_lse, arrivals,
-        block_table if paged else dummy, seqlens_k, cu_seqlens_q if cu_seqlens_q is not None else dummy,
-        cache_batch_idx if cache_batch_idx is not None else dummy,
-        kv_start if kv_start is not None else dummy,
-        alibi_slopes if alibi_slopes is not None else q, k_scale if k_scale is not None else q,
-        v_scale if v_scale is not None else q,
+    tensors = _kernel_tensors(
+        q, k_cache, v_cache, desc_k, desc_v, out, lse, (mid_o, mid_lse, arrivals), block_table, seqlens_k,
+        cu_seqlens_q, cache_batch_idx, kv_start, alibi_slopes, k_scale, v_scale,
     )  # fmt: skip
     mid_strides = (
         (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
@@ -1456,7 +1461,8 @@ def launch_paged_attention(
             kwargs["maxnreg"] = config.maxnreg
         return args, kwargs
 
-    _PAGED_LAUNCHES.launch(key, grid, _PAGED_SLOTS, values, build)
+    bound = _PAGED_LAUNCHES.launch(key, grid, _PAGED_SLOTS, values, build, _TENSOR_SLOTS if bind else None)
+    bound_combine = None
     if split and not fused:
         c_tensors = (mid_o, mid_lse, out, lse_arg)
         c_ints = (num_splits, *mid_strides, *lse_strides)
@@ -1474,13 +1480,111 @@ def launch_paged_attention(
                       **({"launch_pdl": True} if pdl else {})}  # fmt: skip
             return args, kwargs
 
-        _COMBINE_LAUNCHES.launch(
+        bound_combine = _COMBINE_LAUNCHES.launch(
             c_key,
             (total_q, nheads, cdiv(head_dim, block_dc)),
             _COMBINE_SLOTS,
             (*c_tensors, *c_ints),
             build_combine,
+            _COMBINE_OUT_SLOTS if bind else None,
         )
+    if bound is None or use_tma:  # TMA descriptors are built from each call's caches: not bound
+        return None
+    return PagedLaunch(
+        bound, bound_combine, (mid_o, mid_lse, arrivals) if split else None, (k_pairs, v_pairs),
+        (k_scale, v_scale) if fp8 and unit_scales else None,
+    )  # fmt: skip
+
+
+def _kernel_tensors(
+    q: Tensor,
+    k_read: Tensor,
+    v_read: Tensor,
+    desc_k: Any,
+    desc_v: Any,
+    out: Tensor,
+    lse: Tensor | None,
+    workspace: tuple[Tensor, Tensor, Tensor] | None,
+    block_table: Tensor | None,
+    seqlens_k: Tensor,
+    cu_seqlens_q: Tensor | None,
+    cache_batch_idx: Tensor | None,
+    kv_start: Tensor | None,
+    alibi_slopes: Tensor | None,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+) -> tuple[Any, ...]:
+    """The paged kernel's 18 tensor / descriptor arguments in signature order (``_TENSOR_SLOTS``).
+    Absent ones take a pointer the kernel never dereferences; an unsplit launch's workspace
+    (``None``) is ``(out, out, seqlens_k)``, likewise unused."""
+    dummy = seqlens_k
+    return (
+        q, k_read, v_read, desc_k, desc_v, out, lse if lse is not None else out,
+        *(workspace if workspace is not None else (out, out, seqlens_k)),
+        block_table if block_table is not None else dummy, seqlens_k,
+        cu_seqlens_q if cu_seqlens_q is not None else dummy,
+        cache_batch_idx if cache_batch_idx is not None else dummy,
+        kv_start if kv_start is not None else dummy,
+        alibi_slopes if alibi_slopes is not None else q, k_scale if k_scale is not None else q,
+        v_scale if v_scale is not None else q,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PagedLaunch:
+    """A :func:`launch_paged_attention` call with everything but its tensors bound (``bind=True``).
+
+    :meth:`relaunch` launches the same kernels again with new tensors and computes nothing else:
+    no tiles, no launch keys, no Triton binder. The caller guarantees that the new tensors
+    specialise the launch as the bound ones did: same dtypes, shapes and strides, the same low
+    four bits of each data pointer (16-byte alignment, and the byte-pair views' parity), the same
+    optional tensors present (:func:`~flashpage.ops.paged_plan.run_decode` keys its launches on
+    exactly that).
+
+    Attributes:
+        main, combine: the attention kernel's and the split combine's launches (``combine`` is
+            ``None`` without a split or with the fused combine).
+        workspace: the split workspace the launch was bound to (``None`` unsplit).
+        pairs: whether K / V are read as int16 byte pairs (the caches are viewed so again).
+        unit_scales: the fp8 scales of ones used when the bound call passed none.
+    """
+
+    main: BoundLaunch
+    combine: BoundLaunch | None
+    workspace: tuple[Tensor, Tensor, Tensor] | None
+    pairs: tuple[bool, bool]
+    unit_scales: tuple[Tensor, Tensor] | None
+
+    def relaunch(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        out: Tensor,
+        seqlens_k: Tensor,
+        *,
+        block_table: Tensor | None = None,
+        cu_seqlens_q: Tensor | None = None,
+        cache_batch_idx: Tensor | None = None,
+        kv_start: Tensor | None = None,
+        lse: Tensor | None = None,
+        alibi_slopes: Tensor | None = None,
+        k_scale: Tensor | None = None,
+        v_scale: Tensor | None = None,
+    ) -> None:
+        """Launch with these tensors (as :func:`launch_paged_attention` takes them)."""
+        if self.unit_scales is not None:
+            k_scale = k_scale if k_scale is not None else self.unit_scales[0]
+            v_scale = v_scale if v_scale is not None else self.unit_scales[1]
+        k_read = k_cache.view(torch.int16) if self.pairs[0] else k_cache
+        v_read = v_cache.view(torch.int16) if self.pairs[1] else v_cache
+        tensors = _kernel_tensors(
+            q, k_read, v_read, k_cache, v_cache, out, lse, self.workspace, block_table, seqlens_k,
+            cu_seqlens_q, cache_batch_idx, kv_start, alibi_slopes, k_scale, v_scale,
+        )  # fmt: skip
+        self.main.relaunch(tensors)
+        if self.combine is not None:
+            self.combine.relaunch((out, lse if lse is not None else out))
 
 
 def paged_kernel_constexprs(

@@ -5,6 +5,9 @@ fixes the split-KV count (the roofline planner's choice unless overridden), the 
 the grid, and allocates the split workspace. :func:`run_decode` then only launches kernels: it reads
 no device values (no ``.item()``, no host-side checks of tensor contents), so a step that calls it
 can be captured in a CUDA graph and replayed with new block tables and lengths in the same buffers.
+Its first call per tensor layout binds the launch (:class:`~flashpage.ops.paged_decode.PagedLaunch`);
+later calls with tensors laid out alike (the other layers, the next steps) only fill in the tensors
+and launch, which keeps eager decode's host time per call below the kernels' time on short launches.
 
 Typical use::
 
@@ -16,7 +19,8 @@ Typical use::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,6 +28,7 @@ from torch import Tensor
 from flashpage.ops.cache_write import is_fp8_dtype
 from flashpage.ops.paged_decode import (
     PagedAttnConfig,
+    PagedLaunch,
     allocate_workspace,
     default_decode_config,
     launch_paged_attention,
@@ -50,6 +55,8 @@ class DecodePlan:
         softmax_scale, causal, window_size, softcap: attention options baked into the plan.
         workspace: split partial outputs, log2-sum-exps and the fused combine's arrival counters
             (``None`` when ``num_splits == 1``).
+        launches: :func:`run_decode`'s bound launches by the layout of its tensors (filled by
+            ``run_decode``; at most ``_MAX_BOUND`` kept).
     """
 
     batch: int
@@ -69,6 +76,12 @@ class DecodePlan:
     window_size: tuple[int, int]
     softcap: float
     workspace: tuple[Tensor, Tensor, Tensor] | None
+    launches: dict[tuple[Any, ...], PagedLaunch] = field(default_factory=dict, compare=False, repr=False)
+
+
+# Bound launches one plan keeps: an engine step sees one tensor layout per plan (every layer's
+# cache shaped alike); a few more cover callers that alternate buffers.
+_MAX_BOUND = 16
 
 
 def plan_decode(
@@ -200,11 +213,40 @@ def run_decode(
             f"lse must be a float32 ({rows}, {plan.nheads}) tensor (batch * seqlen_q, nheads), "
             f"got {tuple(lse.shape)} {lse.dtype}"
         )
-    launch_paged_attention(
-        qp, k_cache, v_cache, out.view(rows, plan.nheads, plan.head_dim), cache_seqlens,
-        max_seqlen_q=plan.seqlen_q, block_table=block_table, lse=lse.t() if lse is not None else None,
+    out_rows = out.view(rows, plan.nheads, plan.head_dim)
+    lse_t = lse.t() if lse is not None else None
+    # Everything launch_paged_attention derives from the tensors (the plan fixes the rest): their
+    # layouts, which optional ones are present, and the low bits of every data pointer (Triton's
+    # 16-byte alignment specialisation; the byte-pair views' parity).
+    key = (
+        q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), v_cache.shape,
+        v_cache.stride(), v_cache.dtype, block_table.dtype, block_table.stride(), cache_seqlens.dtype,
+        cache_seqlens.shape, None if lse is None else lse.stride(),
+        None if alibi_slopes is None else (alibi_slopes.dtype, alibi_slopes.shape, alibi_slopes.stride()),
+        None if k_scale is None else k_scale.dtype, None if v_scale is None else v_scale.dtype,
+        _low_bits(q, k_cache, v_cache, out, block_table, cache_seqlens, lse, alibi_slopes, k_scale, v_scale),
+    )  # fmt: skip
+    bound = plan.launches.get(key)
+    if bound is not None:
+        bound.relaunch(
+            qp, k_cache, v_cache, out_rows, cache_seqlens, block_table=block_table, lse=lse_t,
+            alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+        return out
+    bound = launch_paged_attention(
+        qp, k_cache, v_cache, out_rows, cache_seqlens,
+        max_seqlen_q=plan.seqlen_q, block_table=block_table, lse=lse_t,
         softmax_scale=plan.softmax_scale, causal=plan.causal, window_size=plan.window_size,
         softcap=plan.softcap, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
-        num_splits=plan.num_splits, config=plan.config, workspace=plan.workspace,
+        num_splits=plan.num_splits, config=plan.config, workspace=plan.workspace, bind=True,
     )  # fmt: skip
+    if bound is not None:
+        if len(plan.launches) >= _MAX_BOUND:
+            plan.launches.clear()
+        plan.launches[key] = bound
     return out
+
+
+def _low_bits(*tensors: Tensor | None) -> tuple[int, ...]:
+    """The low four bits of each tensor's data pointer (``-1`` for ``None``)."""
+    return tuple(-1 if t is None else t.data_ptr() & 15 for t in tensors)
