@@ -76,9 +76,13 @@ program has its own (sequence, KV head) the chunked loop alone read 0.5-1.9% fas
 loop's shape (a peeled tile and a pipeline prologue per chunk), which the library's kernel does not
 have. Not ported.
 ``pairchunk<C>`` isolates that shape: static splits walked as an outer loop over chunks of ``C`` tiles
-around an inner loop of ``C`` (no counter). Untimed: ``PROBE=pair,pairchunk4,pairchunk8,pairdyn4
-SHAPES=64:4096:0,256:4096:0,1:131072:0``; if it reads like ``pairdyn4`` at one program per sequence
-and KV head, the library's mask-free loop is worth the same shape. Offline sm_90 SASS (triton 3.6,
+around an inner loop of ``C`` (no counter). Timed on an H200 (2026-12-07 night, be62ec5, triton
+3.6, ``PROBE=pair,pairchunk4,pairchunk8,pairdyn4 SHAPES=64:4096:0,256:4096:0,1:131072:0``; ms,
+static ``pair`` / ``pairchunk4`` / ``pairchunk8`` / ``pairdyn4``): b64/4k 0.1418 / 0.1433 / 0.1419 /
+0.1425, b256/4k 0.5255 / 0.5317 / 0.5278 / 0.5327, b1/128k 0.0795 / 0.0789 / 0.0793 / 0.0826. No
+shape gains more than 0.8% (b1/128k ``pairchunk4``), and there ``pairdyn4`` at one program per
+(sequence, KV head) is no faster than static splits: the H100's 0.5-1.9% did not repeat, so the
+library's loop keeps its shape. Offline sm_90 SASS (triton 3.6,
 pair tiles): static 121 registers and one 604-instruction tile loop; ``pairchunk4`` 118 registers,
 the same inner loop (three of a chunk's four tiles) and a 704-instruction outer body (the chunk's
 last tile, peeled, with the next chunk's first loads); ``pairdyn4`` 125 registers, 616 + 740. All

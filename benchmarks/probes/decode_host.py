@@ -24,6 +24,14 @@ H200 machine (a6ca8bf): ``run_decode`` 66.0 / 104.4, ``flash_attn_with_kvcache(v
 314.9 / 476.3, 20.8 / 23.9, 15.4 / 11.0. Host time varies between machines of one kind by up to 2x:
 compare rows of one run only.
 
+With bound launches (e6b7278, 2026-12-07 night, an H100 machine's host, triton 3.6; us per call at
+ctx 256 / 4096): ``run_decode`` 38.5 / 39.6 (new output 46.2 / 47.8) against 62.6 / 94.3 for the
+same launch through ``launch_paged_attention`` (what every ``run_decode`` call did before);
+``paged_decode(validate=False)`` 128.4 / 193.0, ``flash_attn_with_kvcache(validate=False)`` 137.2 /
+204.2, SDPA 18.0 / 31.0, an empty Triton kernel 12.7 / 9.7 (``JITFunction`` / ``CompiledKernel``).
+The bound call's profile is now Triton's launcher (``runner``, the driver's ``__call__``, the C
+launch: about two thirds of it, for two kernels at ctx 4096) plus ``run_decode``'s own key.
+
 Run: ``PYTHONPATH=src python benchmarks/probes/decode_host.py [out.json]`` on a GPU machine;
 ``DEV=cpu TRITON_INTERPRET=1 ... --tiny`` checks the script on a CPU.
 """
@@ -95,8 +103,17 @@ def ctx_rows(ctx: int, n: int, dev: torch.device, tiny: bool) -> list[dict[str, 
         "run_decode (new out)": lambda: run_decode(plan, q, kc, vc, bt, seqlens),
         # What run_decode did per call before it bound its launches (and still does on a new layout).
         "launch_paged_attention (unbound)": lambda: launch_paged_attention(
-            q, kc, vc, out, seqlens, max_seqlen_q=1, block_table=bt, softmax_scale=plan.softmax_scale,
-            num_splits=plan.num_splits, config=plan.config, workspace=plan.workspace,
+            q,
+            kc,
+            vc,
+            out,
+            seqlens,
+            max_seqlen_q=1,
+            block_table=bt,
+            softmax_scale=plan.softmax_scale,
+            num_splits=plan.num_splits,
+            config=plan.config,
+            workspace=plan.workspace,
         ),
         "paged_decode validate=False": lambda: paged_decode(q, kc, vc, bt, seqlens, validate=False),
         "flash_attn_with_kvcache validate=False": lambda: flash_attn_with_kvcache(
