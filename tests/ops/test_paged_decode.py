@@ -512,6 +512,7 @@ def test_run_decode_binds_and_relaunches(
     big = [torch.cat([c, c[:2]]) for c in (kc, vc)]  # two more blocks: a new cache shape
     check(run_decode(plan, q, *big, bt, sl), q, *big, bt, sl)
     assert len(plan.launches) == 4
+    assert replace(plan, causal=False).launches == {}  # another plan binds its own launches
 
 
 def test_num_splits_planner_rule() -> None:

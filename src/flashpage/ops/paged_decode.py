@@ -1373,7 +1373,7 @@ def launch_paged_attention(
     write_lse = lse is not None
     # The interpreter keeps bf16 as raw uint16 (arithmetic on it is garbage): compute in fp32 there.
     upcast = q.dtype == torch.bfloat16 and interpreter_enabled()
-    unit_scales = fp8 and (k_scale is None or v_scale is None)
+    no_scales = (fp8 and k_scale is None, fp8 and v_scale is None)
     if fp8 and k_scale is None:
         k_scale = torch.ones(nheads_k, dtype=torch.float32, device=q.device)
     if fp8 and v_scale is None:
@@ -1492,7 +1492,7 @@ def launch_paged_attention(
         return None
     return PagedLaunch(
         bound, bound_combine, (mid_o, mid_lse, arrivals) if split else None, (k_pairs, v_pairs),
-        (k_scale, v_scale) if fp8 and unit_scales else None,
+        (k_scale if no_scales[0] else None, v_scale if no_scales[1] else None),
     )  # fmt: skip
 
 
@@ -1546,14 +1546,15 @@ class PagedLaunch:
             ``None`` without a split or with the fused combine).
         workspace: the split workspace the launch was bound to (``None`` unsplit).
         pairs: whether K / V are read as int16 byte pairs (the caches are viewed so again).
-        unit_scales: the fp8 scales of ones used when the bound call passed none.
+        unit_scales: the fp8 scales of ones that stand in for a scale the bound call did not
+            pass (``None`` where it passed one).
     """
 
     main: BoundLaunch
     combine: BoundLaunch | None
     workspace: tuple[Tensor, Tensor, Tensor] | None
     pairs: tuple[bool, bool]
-    unit_scales: tuple[Tensor, Tensor] | None
+    unit_scales: tuple[Tensor | None, Tensor | None]
 
     def relaunch(
         self,
@@ -1573,9 +1574,8 @@ class PagedLaunch:
         v_scale: Tensor | None = None,
     ) -> None:
         """Launch with these tensors (as :func:`launch_paged_attention` takes them)."""
-        if self.unit_scales is not None:
-            k_scale = k_scale if k_scale is not None else self.unit_scales[0]
-            v_scale = v_scale if v_scale is not None else self.unit_scales[1]
+        k_scale = k_scale if k_scale is not None else self.unit_scales[0]
+        v_scale = v_scale if v_scale is not None else self.unit_scales[1]
         k_read = k_cache.view(torch.int16) if self.pairs[0] else k_cache
         v_read = v_cache.view(torch.int16) if self.pairs[1] else v_cache
         tensors = _kernel_tensors(

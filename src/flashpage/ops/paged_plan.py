@@ -76,7 +76,10 @@ class DecodePlan:
     window_size: tuple[int, int]
     softcap: float
     workspace: tuple[Tensor, Tensor, Tensor] | None
-    launches: dict[tuple[Any, ...], PagedLaunch] = field(default_factory=dict, compare=False, repr=False)
+    # Not an __init__ argument: dataclasses.replace() must not hand a plan another plan's launches.
+    launches: dict[tuple[Any, ...], PagedLaunch] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
 
 # Bound launches one plan keeps: an engine step sees one tensor layout per plan (every layer's
