@@ -1381,18 +1381,18 @@ def launch_paged_attention(
     fused = split and config.fused_combine
     pdl = split and not fused and config.pdl and pdl_supported(q.device)
     n_arrivals = batch * tiles.head_programs * q_tiles
+    ws = None  # unsplit: _kernel_tensors passes placeholders the kernel never reads
     if split:
-        mid_o, mid_lse, arrivals = (
+        ws = (
             workspace
             if workspace is not None
             else allocate_workspace(
                 total_q, nheads, num_splits, head_dim, q.device, n_arrivals if fused else 0
             )
         )
+        mid_o, mid_lse, arrivals = ws
         if fused and arrivals.numel() < n_arrivals:
             raise ValueError(f"workspace holds {arrivals.numel()} arrival counters, {n_arrivals} needed")
-    else:
-        mid_o, mid_lse, arrivals = out, out, seqlens_k  # unused
     lse_arg = lse if write_lse else out
     lse_strides = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
     # A paged cache seen as (num_blocks * block_size, nheads_k * d) rows: the flash kernels' row view.
@@ -1404,6 +1404,7 @@ def launch_paged_attention(
         and tma_supported(k_cache.device)
         and all(tma_row_view_ok(c, False, head_dim) for c in (k_cache, v_cache))
     )
+    bind = bind and not use_tma  # TMA descriptors are built from each call's caches: not bound
     if use_tma:
         desc_k, desc_v = (
             make_row_descriptor(c, False, config.block_n, head_dim, checked=True) for c in (k_cache, v_cache)
@@ -1418,7 +1419,7 @@ def launch_paged_attention(
     grid = paged_grid(config, q_tiles, num_splits, tiles.head_programs, batch)
     heads_first = _heads_first(config, q_tiles * num_splits)
     tensors = _kernel_tensors(
-        q, k_cache, v_cache, desc_k, desc_v, out, lse, (mid_o, mid_lse, arrivals), block_table, seqlens_k,
+        q, k_cache, v_cache, desc_k, desc_v, out, lse, ws, block_table, seqlens_k,
         cu_seqlens_q, cache_batch_idx, kv_start, alibi_slopes, k_scale, v_scale,
     )  # fmt: skip
     mid_strides = (
@@ -1488,10 +1489,10 @@ def launch_paged_attention(
             build_combine,
             _COMBINE_OUT_SLOTS if bind else None,
         )
-    if bound is None or use_tma:  # TMA descriptors are built from each call's caches: not bound
+    if bound is None:
         return None
     return PagedLaunch(
-        bound, bound_combine, (mid_o, mid_lse, arrivals) if split else None, (k_pairs, v_pairs),
+        bound, bound_combine, ws, (k_pairs, v_pairs),
         (k_scale if no_scales[0] else None, v_scale if no_scales[1] else None),
     )  # fmt: skip
 
