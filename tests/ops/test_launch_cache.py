@@ -21,6 +21,7 @@ from torch import Tensor
 
 from flashpage.ops import flash_bwd as fb
 from flashpage.ops import flash_fwd as ff
+from flashpage.ops import kvcache
 from flashpage.ops import paged_decode as pd
 from flashpage.ops.flash_configs import BwdConfig
 from flashpage.ops.kvcache import flash_attn_with_kvcache
@@ -285,7 +286,8 @@ def test_paged_attention_replays_bit_identically(
     monkeypatch: pytest.MonkeyPatch, device: str, q_len: int, splits: int
 ) -> None:
     """Paged decode / chunked prefill (+ LSE, 2-D ALiBi with a non-contiguous batch stride): calls with
-    new tensors and new cache lengths replay the plans and equal fresh launches."""
+    new tensors and new cache lengths replay the plans (through ``flash_attn_with_kvcache``'s bound
+    launches) and equal fresh launches."""
     b, h, hk, d, bs, nb = 3, 8, 2, 32, 16, 24
     k_cache, v_cache = torch.randn(nb, bs, hk, d), torch.randn(nb, bs, hk, d)
     table = torch.randperm(nb, dtype=torch.int32)[: b * 8].reshape(b, 8)
@@ -298,21 +300,27 @@ def test_paged_attention_replays_bit_identically(
         )  # fmt: skip
         return out  # type: ignore[return-value]
 
-    fakes = _fresh_caches(monkeypatch, device, pd, _PAGED_CACHES)
+    def fresh() -> dict[str, _FakeJit]:
+        memo = pd.EagerLaunches()
+        monkeypatch.setattr(pd, "EAGER_LAUNCHES", memo)
+        monkeypatch.setattr(kvcache, "EAGER_LAUNCHES", memo)
+        return _fresh_caches(monkeypatch, device, pd, _PAGED_CACHES)
+
+    fakes = fresh()
     calls = [([40, 77, 128], None), ([9, 100, 33], None), ([40, 77, 128], slopes), ([120, 5, 64], slopes)]
     run(torch.randn(b, q_len, h, d), *calls[0])  # makes the plans the calls below replay
     torch.manual_seed(1)
     qs = [torch.randn(b, q_len, h, d) for _ in calls]
     replayed = [run(q, lens, a) for q, (lens, a) in zip(qs, calls, strict=True)]
     for q, (lens, a), got in zip(qs, calls, replayed, strict=True):
-        _fresh_caches(monkeypatch, device, pd, _PAGED_CACHES)
+        fresh()
         want = run(q, lens, a)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), lens
     if fakes:
         assert fakes["_PAGED_LAUNCHES"].replays >= 3
         assert (fakes["_COMBINE_LAUNCHES"].replays >= 3) == (splits > 1)
     other = slopes.contiguous()  # same values, batch stride h: must not replay the strided plan
-    fakes = _fresh_caches(monkeypatch, device, pd, _PAGED_CACHES)
+    fakes = fresh()
     run(qs[2], calls[2][0], slopes)
     torch.testing.assert_close(run(qs[2], calls[2][0], other)[0], replayed[2][0], rtol=0, atol=0)
     assert len(pd._PAGED_LAUNCHES) == 2

@@ -515,6 +515,78 @@ def test_run_decode_binds_and_relaunches(
     assert replace(plan, causal=False).launches == {}  # another plan binds its own launches
 
 
+@pytest.mark.parametrize(
+    ("kv", "splits", "fused"), [("fp32", 1, False), ("fp32", 2, False), ("fp8", 2, True)]
+)
+def test_eager_entry_points_relaunch_bound_launches(
+    monkeypatch: pytest.MonkeyPatch, device: str, kv: str, splits: int, fused: bool
+) -> None:
+    """``paged_decode`` and ``flash_attn_with_kvcache`` bind their first launch per layout and
+    argument set (``EAGER_LAUNCHES``); later calls with new values, tables and lengths relaunch it
+    (no ``launch_paged_attention``), each with its own split workspace (fused combine: fresh zero
+    counters), and match the reference. Another softmax scale, an LSE output or another entry
+    point's arguments is another key and binds anew."""
+    from flashpage.ops import kvcache
+    from flashpage.ops import paged_decode as pd
+
+    memo = pd.EagerLaunches()
+    monkeypatch.setattr(pd, "EAGER_LAUNCHES", memo)
+    monkeypatch.setattr(kvcache, "EAGER_LAUNCHES", memo)
+    nheads, nheads_k, d, fp8 = 8, 2, 32, kv == "fp8"
+    sets = []
+    for lens in ([70, 5, 33], [66, 12, 40]):
+        kc, vc, bt, sl = make_paged_cache(lens, 16, nheads_k, d)
+        if fp8:
+            kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+        sets.append((kc, vc, bt, sl))
+    config = replace(default_decode_config(sets[0][0].dtype, d), block_n=32, fused_combine=fused)
+
+    def decode(
+        q: Tensor, kc: Tensor, vc: Tensor, bt: Tensor, sl: Tensor, **kw: object
+    ) -> tuple[Tensor, Tensor]:
+        return paged_decode(q, kc, vc, bt, sl, num_splits=splits, config=config, return_lse=True, **kw)  # type: ignore[return-value]
+
+    def check(
+        got: tuple[Tensor, Tensor], q: Tensor, kc: Tensor, vc: Tensor, bt: Tensor, sl: Tensor, **kw: object
+    ) -> None:
+        ref, lse, same = _refs(q.unsqueeze(1), kc.float(), vc.float(), bt, sl, causal=True, **kw)
+        assert_close_to_ref(got[0], ref[:, 0], same[:, 0])
+        torch.testing.assert_close(got[1], lse[:, :, 0], atol=1e-5, rtol=1e-5)
+
+    q = torch.randn(3, nheads, d)
+    check(decode(q, *sets[0]), q, *sets[0])
+    fa_q = torch.randn(3, 1, nheads, d)
+    fa = kvcache.flash_attn_with_kvcache(
+        fa_q, sets[0][0], sets[0][1], cache_seqlens=sets[0][3], block_table=sets[0][2], causal=True,
+        num_splits=splits, return_softmax_lse=True,
+    )  # fmt: skip
+    check((fa[0][:, 0], fa[1][:, :, 0]), fa_q[:, 0], *sets[0])
+    bound = len(memo)  # one key per entry point, or one shared where their configs agree
+    assert bound in (1, 2)
+
+    def unbound(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a bound layout went through launch_paged_attention")
+
+    with monkeypatch.context() as m:
+        m.setattr(pd, "launch_paged_attention", unbound)
+        for caches in (sets[1], sets[0], sets[1]):
+            q = torch.randn(3, nheads, d)
+            check(decode(q, *caches), q, *caches)
+            fa = kvcache.flash_attn_with_kvcache(
+                q[:, None], caches[0], caches[1], cache_seqlens=caches[3], block_table=caches[2],
+                causal=True, num_splits=splits, return_softmax_lse=True,
+            )  # fmt: skip
+            check((fa[0][:, 0], fa[1][:, :, 0]), q, *caches)
+    assert len(memo) == bound
+    check(decode(q, *sets[1], softmax_scale=0.3), q, *sets[1], softmax_scale=0.3)
+    out = paged_decode(q, *sets[1], num_splits=splits, config=config)
+    ref, _, same = _refs(
+        q.unsqueeze(1), sets[1][0].float(), sets[1][1].float(), sets[1][2], sets[1][3], causal=True
+    )
+    assert_close_to_ref(out, ref[:, 0], same[:, 0])
+    assert len(memo) == bound + 2
+
+
 def test_num_splits_planner_rule() -> None:
     # H200 (132 SMs), GQA 8 kv heads: batch 1 at 128k needs 64 splits; big batches need none.
     assert choose_num_splits(1, 8, 131072, 132) == 64

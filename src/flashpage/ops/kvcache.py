@@ -34,9 +34,9 @@ from torch import Tensor
 
 from flashpage.ops.cache_write import reshape_and_cache
 from flashpage.ops.paged_decode import (
+    EAGER_LAUNCHES,
     check_paged_cache,
     check_paged_values,
-    launch_paged_attention,
     resolve_launch,
 )
 from flashpage.ops.paged_prefill import kv_attention_config
@@ -303,7 +303,7 @@ def _cache_attention(
         else None
     )
     if out.numel():
-        launch_paged_attention(
+        EAGER_LAUNCHES.launch(
             qp, k_cache, v_cache, out, seqlens_k, max_seqlen_q=seqlen_q, block_table=block_table,
             cache_batch_idx=cache_batch_idx, kv_start=cache_leftpad, lse=lse.view(batch * seqlen_q, nheads).t() if lse is not None else None,
             softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right), softcap=softcap,

@@ -51,6 +51,8 @@ from flashpage.ops.launch_cache import BoundLaunch, LaunchCache, Memo, aligned, 
 from flashpage.roofline.planner import choose_heads_per_program, choose_num_splits, pow2_divisor_at_most
 
 __all__ = [
+    "EAGER_LAUNCHES",
+    "EagerLaunches",
     "PagedAttnConfig",
     "PagedLaunch",
     "PagedTiles",
@@ -1207,9 +1209,10 @@ _RESOLVED_LAUNCHES = Memo(512)  # resolve_launch's answers
 _COMBINE_LAUNCHES = LaunchCache(_combine_kernel)
 _PAGED_SLOTS = (*range(24), 34, 35, 36, 38, 39, 40, 41, 42)
 _COMBINE_SLOTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13)
-# What a PagedLaunch replaces per call: the paged kernel's tensors, the combine's output and LSE.
+# What a PagedLaunch replaces per call: the paged kernel's tensors, the combine's four tensors
+# (workspace, output, LSE).
 _TENSOR_SLOTS = tuple(range(18))
-_COMBINE_OUT_SLOTS = (2, 3)
+_COMBINE_TENSOR_SLOTS = (0, 1, 2, 3)
 
 
 _MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions
@@ -1487,7 +1490,7 @@ def launch_paged_attention(
             _COMBINE_SLOTS,
             (*c_tensors, *c_ints),
             build_combine,
-            _COMBINE_OUT_SLOTS if bind else None,
+            _COMBINE_TENSOR_SLOTS if bind else None,
         )
     if bound is None:
         return None
@@ -1545,7 +1548,8 @@ class PagedLaunch:
     Attributes:
         main, combine: the attention kernel's and the split combine's launches (``combine`` is
             ``None`` without a split or with the fused combine).
-        workspace: the split workspace the launch was bound to (``None`` unsplit).
+        workspace: the split workspace the launch was bound to (``None`` unsplit), used by
+            :meth:`relaunch` unless it is given another.
         pairs: whether K / V are read as int16 byte pairs (the caches are viewed so again).
         unit_scales: the fp8 scales of ones that stand in for a scale the bound call did not
             pass (``None`` where it passed one).
@@ -1573,19 +1577,111 @@ class PagedLaunch:
         alibi_slopes: Tensor | None = None,
         k_scale: Tensor | None = None,
         v_scale: Tensor | None = None,
+        workspace: tuple[Tensor, Tensor, Tensor] | None = None,
     ) -> None:
-        """Launch with these tensors (as :func:`launch_paged_attention` takes them)."""
+        """Launch with these tensors (as :func:`launch_paged_attention` takes them); ``workspace``
+        (shaped like the bound one, its arrival counters zero) replaces the bound workspace."""
         k_scale = k_scale if k_scale is not None else self.unit_scales[0]
         v_scale = v_scale if v_scale is not None else self.unit_scales[1]
         k_read = k_cache.view(torch.int16) if self.pairs[0] else k_cache
         v_read = v_cache.view(torch.int16) if self.pairs[1] else v_cache
+        ws = workspace if workspace is not None else self.workspace
         tensors = _kernel_tensors(
-            q, k_read, v_read, k_cache, v_cache, out, lse, self.workspace, block_table, seqlens_k,
+            q, k_read, v_read, k_cache, v_cache, out, lse, ws, block_table, seqlens_k,
             cu_seqlens_q, cache_batch_idx, kv_start, alibi_slopes, k_scale, v_scale,
         )  # fmt: skip
         self.main.relaunch(tensors)
         if self.combine is not None:
-            self.combine.relaunch((out, lse if lse is not None else out))
+            assert ws is not None  # a combine launch exists only for a split
+            self.combine.relaunch((ws[0], ws[1], out, lse if lse is not None else out))
+
+
+class EagerLaunches:
+    """Bound launches of the eager entry points (:func:`paged_decode`,
+    ``flash_attn_with_kvcache``) by everything a launch derives from its arguments.
+
+    An eager decode loop calls those once per layer and step with tensors laid out alike: the first
+    call of a layout goes through :func:`launch_paged_attention` and binds it; later ones only
+    relaunch (:meth:`PagedLaunch.relaunch`), which saves the launch key, the tiles and Triton's
+    binder (~30-50 us per call on the GPU machines' hosts). The key is every tensor's shape,
+    strides, dtype, device and low four data-pointer bits (Triton's 16-byte alignment
+    specialisation, the byte-pair views' parity), which optional tensors are present, and every
+    non-tensor argument. Unlike a :class:`~flashpage.ops.paged_plan.DecodePlan`'s launches, a split
+    workspace is allocated per call: the memo is shared, and calls on other streams may overlap.
+    ``max_items`` bounds it (cleared when full).
+    """
+
+    def __init__(self, max_items: int = 64) -> None:
+        self.max_items = max_items
+        # key -> (the launch without its workspace, its workspace's (total_q, nheads, splits, d)
+        # and arrival counters, or None unsplit)
+        self._items: dict[tuple[Any, ...], tuple[PagedLaunch, tuple[tuple[int, ...], int] | None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def launch(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        out: Tensor,
+        seqlens_k: Tensor,
+        *,
+        max_seqlen_q: int,
+        block_table: Tensor | None = None,
+        cache_batch_idx: Tensor | None = None,
+        kv_start: Tensor | None = None,
+        lse: Tensor | None = None,
+        softmax_scale: float,
+        causal: bool,
+        window_size: tuple[int, int],
+        softcap: float,
+        alibi_slopes: Tensor | None,
+        k_scale: Tensor | None,
+        v_scale: Tensor | None,
+        num_splits: int,
+        config: PagedAttnConfig,
+    ) -> None:
+        """:func:`launch_paged_attention` with these arguments (which allocates the workspace)."""
+        tensors = (q, k_cache, v_cache, out, seqlens_k, block_table, cache_batch_idx, kv_start, lse,
+                   alibi_slopes, k_scale, v_scale)  # fmt: skip
+        key = (
+            config, max_seqlen_q, float(softmax_scale), bool(causal), tuple(window_size), float(softcap),
+            num_splits, *(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15) for t in tensors),
+        )  # fmt: skip
+        hit = self._items.get(key)
+        if hit is not None:
+            bound, ws_args = hit
+            bound.relaunch(
+                q, k_cache, v_cache, out, seqlens_k, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                kv_start=kv_start, lse=lse, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
+                workspace=allocate_workspace(*ws_args[0], q.device, ws_args[1]) if ws_args is not None else None,
+            )  # fmt: skip
+            return
+        bound = launch_paged_attention(
+            q, k_cache, v_cache, out, seqlens_k, max_seqlen_q=max_seqlen_q, block_table=block_table,
+            cache_batch_idx=cache_batch_idx, kv_start=kv_start, lse=lse, softmax_scale=softmax_scale,
+            causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+            k_scale=k_scale, v_scale=v_scale, num_splits=num_splits, config=config, bind=True,
+        )  # fmt: skip
+        if bound is None:  # TMA descriptors: every call takes the full path
+            return
+        ws_args = None
+        if bound.workspace is not None:
+            mid_o, _, counters = bound.workspace
+            fused = bound.combine is None  # a split without a combine launch combines in the kernel
+            ws_args = (tuple(mid_o.shape), counters.numel() if fused else 0)
+        if len(self._items) >= self.max_items:
+            self._items.clear()
+        self._items[key] = (replace(bound, workspace=None), ws_args)
+
+
+# The eager entry points' bound launches (paged_decode, flash_attn_with_kvcache).
+EAGER_LAUNCHES = EagerLaunches()
 
 
 def paged_kernel_constexprs(
@@ -2015,7 +2111,7 @@ def paged_decode(
     qp = q4.reshape(batch * seqlen_q, nheads, d)
     out = torch.empty_like(qp)
     lse = torch.empty(batch, seqlen_q, nheads, dtype=torch.float32, device=q.device) if return_lse else None
-    launch_paged_attention(
+    EAGER_LAUNCHES.launch(
         qp, k_cache, v_cache, out, cache_seqlens, max_seqlen_q=seqlen_q, block_table=block_table,
         lse=lse.view(batch * seqlen_q, nheads).t() if lse is not None else None,
         softmax_scale=softmax_scale if softmax_scale is not None else d**-0.5, causal=causal,
