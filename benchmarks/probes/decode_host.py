@@ -32,6 +32,10 @@ same launch through ``launch_paged_attention`` (what every ``run_decode`` call d
 The bound call's profile is now Triton's launcher (``runner``, the driver's ``__call__``, the C
 launch: about two thirds of it, for two kernels at ctx 4096) plus ``run_decode``'s own key.
 
+Since 7402c1f ``paged_decode`` and ``flash_attn_with_kvcache`` relaunch bound launches too
+(``EagerLaunches``); the ``(unbound)`` row clears that memo before each call, i.e. times what every
+call did before. Not yet run on a GPU host.
+
 Run: ``PYTHONPATH=src python benchmarks/probes/decode_host.py [out.json]`` on a GPU machine;
 ``DEV=cpu TRITON_INTERPRET=1 ... --tiny`` checks the script on a CPU.
 """
@@ -53,7 +57,7 @@ import triton
 import triton.language as tl
 
 from flashpage import flash_attn_with_kvcache
-from flashpage.ops.paged_decode import launch_paged_attention, paged_decode
+from flashpage.ops.paged_decode import EAGER_LAUNCHES, launch_paged_attention, paged_decode
 from flashpage.ops.paged_plan import plan_decode, run_decode
 
 
@@ -119,6 +123,11 @@ def ctx_rows(ctx: int, n: int, dev: torch.device, tiny: bool) -> list[dict[str, 
         "flash_attn_with_kvcache validate=False": lambda: flash_attn_with_kvcache(
             q4, kc, vc, cache_seqlens=seqlens, block_table=bt, validate=False
         ),
+        # What every eager call did before the entry points bound their launches (EagerLaunches).
+        "flash_attn_with_kvcache validate=False (unbound)": lambda: (
+            EAGER_LAUNCHES.clear(),
+            flash_attn_with_kvcache(q4, kc, vc, cache_seqlens=seqlens, block_table=bt, validate=False),
+        ),
         "flash_attn_with_kvcache": lambda: flash_attn_with_kvcache(
             q4, kc, vc, cache_seqlens=seqlens, block_table=bt
         ),
@@ -134,7 +143,7 @@ def ctx_rows(ctx: int, n: int, dev: torch.device, tiny: bool) -> list[dict[str, 
     for name, fn in cases.items():
         us = host_us(fn, n, dev)
         rows.append({"ctx": ctx, "splits": plan.num_splits, "case": name, "host_us": round(us, 2)})
-        print(f"ctx {ctx:5d} splits {plan.num_splits:2d}  {name:42s} {us:8.2f} us", flush=True)
+        print(f"ctx {ctx:5d} splits {plan.num_splits:2d}  {name:50s} {us:8.2f} us", flush=True)
     if not tiny:
         prof = cProfile.Profile()
         prof.enable()
