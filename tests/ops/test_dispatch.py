@@ -112,3 +112,34 @@ def test_skipped_slots_and_strided_inputs(monkeypatch: pytest.MonkeyPatch) -> No
     ref = _reference(q, kc, vc, meta, True)
     same = _reference(q, kc, vc, meta, False)
     assert_close_to_ref(out, ref, same)
+
+
+def test_decode_layers_of_one_step_share_a_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step plans once (on ``meta.scratch``): the next layer's call relaunches the launch
+    the first layer bound, on its own cache, and matches the reference; a cleared scratch (the next
+    forward) plans anew."""
+    from flashpage.ops import paged_plan
+
+    monkeypatch.setenv("FLASHPAGE_BACKEND", "triton")
+    q, k, v, kc, vc, meta = _build_step([(30, 1), (0, 1), (64, 1)], 16, None, num_splits=2)
+    layers = [(kc, vc), (torch.randn_like(kc), torch.randn_like(vc))]
+    outs = []
+    for i, (kc_l, vc_l) in enumerate(layers):
+        with monkeypatch.context() as m:
+            if i:
+                m.setattr(paged_plan, "launch_paged_attention", _unbound)
+            outs.append(attention(q, k, v, kc_l, vc_l, meta, D**-0.5))
+    plans = [x for x in meta.scratch.values() if isinstance(x, paged_plan.DecodePlan)]
+    assert len(plans) == 1 and len(plans[0].launches) == 1
+    for out, (kc_l, vc_l) in zip(outs, layers, strict=True):
+        assert_close_to_ref(
+            out, _reference(q, kc_l, vc_l, meta, True), _reference(q, kc_l, vc_l, meta, False)
+        )
+    meta.scratch.clear()
+    attention(q, k, v, *layers[0], meta, D**-0.5)
+    (again,) = [x for x in meta.scratch.values() if isinstance(x, paged_plan.DecodePlan)]
+    assert again is not plans[0]
+
+
+def _unbound(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a later layer went through launch_paged_attention")

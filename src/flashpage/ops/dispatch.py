@@ -170,11 +170,20 @@ def _triton_attention(
     reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, validate=False)
     b, (h, d) = meta.num_seqs, q.shape[1:]
     if meta.decode_only:
-        plan = plan_decode(
-            b, h, k_cache.shape[2], d, block_size=k_cache.shape[1], max_seqlen_k=meta.max_seqlen_k,
-            q_dtype=q.dtype, kv_dtype=k_cache.dtype, device=q.device, num_splits=meta.num_splits,
-            softmax_scale=softmax_scale, causal=True, window_size=window_size, softcap=softcap,
-        )  # fmt: skip
+        # One plan per step, shared by the layers (memoised on meta.scratch, which the model clears
+        # per forward): the split workspace is allocated once, and the layers after the first
+        # relaunch the launch the first one bound.
+        key = (
+            f"decode-plan-{h}-{k_cache.shape[1:]}-{q.dtype}-{k_cache.dtype}-{q.device}-{softmax_scale}-"
+            f"{tuple(window_size)}-{softcap}"
+        )
+        plan = meta.scratch.get(key)
+        if plan is None:
+            plan = meta.scratch[key] = plan_decode(
+                b, h, k_cache.shape[2], d, block_size=k_cache.shape[1], max_seqlen_k=meta.max_seqlen_k,
+                q_dtype=q.dtype, kv_dtype=k_cache.dtype, device=q.device, num_splits=meta.num_splits,
+                softmax_scale=softmax_scale, causal=True, window_size=window_size, softcap=softcap,
+            )  # fmt: skip
         return run_decode(plan, q, k_cache, v_cache, meta.block_table, meta.seqlens_k)
     if meta.prefix_free:
         flash_varlen = _flash_varlen_fwd()
