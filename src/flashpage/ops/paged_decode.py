@@ -1603,10 +1603,10 @@ class EagerLaunches:
     An eager decode loop calls those once per layer and step with tensors laid out alike: the first
     call of a layout goes through :func:`launch_paged_attention` and binds it; later ones only
     relaunch (:meth:`PagedLaunch.relaunch`), which saves the launch key, the tiles and Triton's
-    binder (~30-50 us per call on the GPU machines' hosts). The key is every tensor's shape,
-    strides, dtype, device and low four data-pointer bits (Triton's 16-byte alignment
-    specialisation, the byte-pair views' parity), which optional tensors are present, and every
-    non-tensor argument. Unlike a :class:`~flashpage.ops.paged_plan.DecodePlan`'s launches, a split
+    binder (binding took ``run_decode`` from 94 to 40 us per call on an H100 machine's host). The
+    key is every tensor's shape, strides, dtype, device and low four data-pointer bits (Triton's
+    16-byte alignment specialisation, the byte-pair views' parity), which optional tensors are
+    present, and every non-tensor argument. Unlike a :class:`~flashpage.ops.paged_plan.DecodePlan`'s launches, a split
     workspace is allocated per call: the memo is shared, and calls on other streams may overlap.
     ``max_items`` bounds it (cleared when full).
     """
