@@ -79,6 +79,37 @@ def test_chunked_prefill_matches_reference(
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
+def test_prefill_relaunches_its_bound_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``paged_prefill`` binds its first launch per layout (``EAGER_LAUNCHES``); the next layers'
+    calls (new queries and caches, other key lengths, same layout) relaunch it, each with its own
+    split workspace, and match the reference."""
+    from flashpage.ops import paged_decode as pd
+    from flashpage.ops import paged_prefill as pp
+
+    memo = pd.EagerLaunches()
+    monkeypatch.setattr(pp, "EAGER_LAUNCHES", memo)
+    q, kc, vc, bt, sl, cu = _setup([20, 3], [70, 0], 32, 8, 1)
+    cfg = PagedAttnConfig(block_m=16, block_n=16)
+
+    def check(q: Tensor, kc: Tensor, vc: Tensor, sl: Tensor) -> None:
+        out, lse = paged_prefill(q, kc, vc, cu, sl, bt, 20, num_splits=2, config=cfg, return_lse=True)
+        ref, ref_lse = _varlen_paged_ref(q, kc, vc, bt, cu, sl, causal=True)
+        same, _ = _varlen_paged_ref(q, kc, vc, bt, cu, sl, upcast=False, causal=True)
+        assert_close_to_ref(out, ref, same)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+    check(q, kc, vc, sl)
+    assert len(memo) == 1
+
+    def unbound(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a bound layout went through launch_paged_attention")
+
+    monkeypatch.setattr(pd, "launch_paged_attention", unbound)
+    check(torch.randn_like(q), torch.randn_like(kc), torch.randn_like(vc), sl)
+    check(torch.randn_like(q), kc, vc, sl - torch.tensor([9, 0], dtype=torch.int32))
+    assert len(memo) == 1
+
+
 @pytest.mark.parametrize(
     "opts",
     [

@@ -1597,10 +1597,10 @@ class PagedLaunch:
 
 
 class EagerLaunches:
-    """Bound launches of the eager entry points (:func:`paged_decode`,
-    ``flash_attn_with_kvcache``) by everything a launch derives from its arguments.
+    """Bound launches of the eager entry points (:func:`paged_decode`, ``flash_attn_with_kvcache``,
+    ``paged_prefill``) by everything a launch derives from its arguments.
 
-    An eager decode loop calls those once per layer and step with tensors laid out alike: the first
+    An eager loop calls those once per layer and step with tensors laid out alike: the first
     call of a layout goes through :func:`launch_paged_attention` and binds it; later ones only
     relaunch (:meth:`PagedLaunch.relaunch`), which saves the launch key, the tiles and Triton's
     binder (binding took ``run_decode`` from 94 to 40 us per call on an H100 machine's host). The
@@ -1633,6 +1633,7 @@ class EagerLaunches:
         *,
         max_seqlen_q: int,
         block_table: Tensor | None = None,
+        cu_seqlens_q: Tensor | None = None,
         cache_batch_idx: Tensor | None = None,
         kv_start: Tensor | None = None,
         lse: Tensor | None = None,
@@ -1647,8 +1648,8 @@ class EagerLaunches:
         config: PagedAttnConfig,
     ) -> None:
         """:func:`launch_paged_attention` with these arguments (which allocates the workspace)."""
-        tensors = (q, k_cache, v_cache, out, seqlens_k, block_table, cache_batch_idx, kv_start, lse,
-                   alibi_slopes, k_scale, v_scale)  # fmt: skip
+        tensors = (q, k_cache, v_cache, out, seqlens_k, block_table, cu_seqlens_q, cache_batch_idx, kv_start,
+                   lse, alibi_slopes, k_scale, v_scale)  # fmt: skip
         key = (
             config, max_seqlen_q, float(softmax_scale), bool(causal), tuple(window_size), float(softcap),
             num_splits, *(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15) for t in tensors),
@@ -1657,15 +1658,15 @@ class EagerLaunches:
         if hit is not None:
             bound, ws_args = hit
             bound.relaunch(
-                q, k_cache, v_cache, out, seqlens_k, block_table=block_table, cache_batch_idx=cache_batch_idx,
-                kv_start=kv_start, lse=lse, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
+                q, k_cache, v_cache, out, seqlens_k, block_table=block_table, cu_seqlens_q=cu_seqlens_q,
+                cache_batch_idx=cache_batch_idx, kv_start=kv_start, lse=lse, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
                 workspace=allocate_workspace(*ws_args[0], q.device, ws_args[1]) if ws_args is not None else None,
             )  # fmt: skip
             return
         bound = launch_paged_attention(
             q, k_cache, v_cache, out, seqlens_k, max_seqlen_q=max_seqlen_q, block_table=block_table,
-            cache_batch_idx=cache_batch_idx, kv_start=kv_start, lse=lse, softmax_scale=softmax_scale,
-            causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+            cu_seqlens_q=cu_seqlens_q, cache_batch_idx=cache_batch_idx, kv_start=kv_start, lse=lse,
+            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
             k_scale=k_scale, v_scale=v_scale, num_splits=num_splits, config=config, bind=True,
         )  # fmt: skip
         if bound is None:  # TMA descriptors: every call takes the full path
@@ -1680,7 +1681,7 @@ class EagerLaunches:
         self._items[key] = (replace(bound, workspace=None), ws_args)
 
 
-# The eager entry points' bound launches (paged_decode, flash_attn_with_kvcache).
+# The eager entry points' bound launches (paged_decode, flash_attn_with_kvcache, paged_prefill).
 EAGER_LAUNCHES = EagerLaunches()
 
 

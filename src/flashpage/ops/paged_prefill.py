@@ -21,11 +21,11 @@ from torch import Tensor
 
 from flashpage.ops.flash_configs import gpu_family, triton_version
 from flashpage.ops.paged_decode import (
+    EAGER_LAUNCHES,
     PagedAttnConfig,
     check_paged_cache,
     check_paged_values,
     default_decode_config,
-    launch_paged_attention,
     resolve_launch,
 )
 
@@ -214,7 +214,7 @@ def paged_prefill(
     out = torch.empty_like(q)
     lse = torch.empty(nheads, total_q, dtype=torch.float32, device=q.device) if return_lse else None
     if total_q and batch:
-        launch_paged_attention(
+        EAGER_LAUNCHES.launch(
             q, k_cache, v_cache, out, seqlens_k, max_seqlen_q=max_seqlen_q, block_table=block_table,
             cu_seqlens_q=cu_seqlens_q, lse=lse,
             softmax_scale=softmax_scale if softmax_scale is not None else d**-0.5, causal=causal,
