@@ -33,7 +33,7 @@ The bound call's profile is now Triton's launcher (``runner``, the driver's ``__
 launch: about two thirds of it, for two kernels at ctx 4096) plus ``run_decode``'s own key.
 
 Since 7402c1f ``paged_decode`` and ``flash_attn_with_kvcache`` relaunch bound launches too
-(``EagerLaunches``); the ``(unbound)`` row clears that memo before each call, i.e. times what every
+(``EAGER_LAUNCHES``); the ``(unbound)`` row clears that memo before each call, i.e. times what every
 call did before. Not yet run on a GPU host.
 
 Run: ``PYTHONPATH=src python benchmarks/probes/decode_host.py [out.json]`` on a GPU machine;
@@ -123,7 +123,7 @@ def ctx_rows(ctx: int, n: int, dev: torch.device, tiny: bool) -> list[dict[str, 
         "flash_attn_with_kvcache validate=False": lambda: flash_attn_with_kvcache(
             q4, kc, vc, cache_seqlens=seqlens, block_table=bt, validate=False
         ),
-        # What every eager call did before the entry points bound their launches (EagerLaunches).
+        # What every eager call did before the entry points bound their launches (EAGER_LAUNCHES).
         "flash_attn_with_kvcache validate=False (unbound)": lambda: (
             EAGER_LAUNCHES.clear(),
             flash_attn_with_kvcache(q4, kc, vc, cache_seqlens=seqlens, block_table=bt, validate=False),

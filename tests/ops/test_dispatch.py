@@ -118,7 +118,7 @@ def test_decode_layers_of_one_step_share_a_plan(monkeypatch: pytest.MonkeyPatch)
     """A decode step plans once (on ``meta.scratch``): the next layer's call relaunches the launch
     the first layer bound, on its own cache, and matches the reference; a cleared scratch (the next
     forward) plans anew."""
-    from flashpage.ops import paged_plan
+    from flashpage.ops import paged_decode, paged_plan
 
     monkeypatch.setenv("FLASHPAGE_BACKEND", "triton")
     q, k, v, kc, vc, meta = _build_step([(30, 1), (0, 1), (64, 1)], 16, None, num_splits=2)
@@ -127,7 +127,7 @@ def test_decode_layers_of_one_step_share_a_plan(monkeypatch: pytest.MonkeyPatch)
     for i, (kc_l, vc_l) in enumerate(layers):
         with monkeypatch.context() as m:
             if i:
-                m.setattr(paged_plan, "launch_paged_attention", _unbound)
+                m.setattr(paged_decode, "launch_paged_attention", _unbound)
             outs.append(attention(q, k, v, kc_l, vc_l, meta, D**-0.5))
     plans = [x for x in meta.scratch.values() if isinstance(x, paged_plan.DecodePlan)]
     assert len(plans) == 1 and len(plans[0].launches) == 1

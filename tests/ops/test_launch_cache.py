@@ -301,7 +301,7 @@ def test_paged_attention_replays_bit_identically(
         return out  # type: ignore[return-value]
 
     def fresh() -> dict[str, _FakeJit]:
-        memo = pd.EagerLaunches()
+        memo = pd.PagedLaunches()
         monkeypatch.setattr(pd, "EAGER_LAUNCHES", memo)
         monkeypatch.setattr(kvcache, "EAGER_LAUNCHES", memo)
         return _fresh_caches(monkeypatch, device, pd, _PAGED_CACHES)

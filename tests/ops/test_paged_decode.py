@@ -458,10 +458,10 @@ def test_run_decode_binds_and_relaunches(
     monkeypatch: pytest.MonkeyPatch, device: str, kv: str, splits: int
 ) -> None:
     """``run_decode`` binds its first launch per tensor layout; later calls with new tensors laid out
-    alike (new values, block tables, lengths, output buffers) only relaunch it (no
-    ``launch_paged_attention``) and match the reference on their own data; an LSE buffer or a
-    larger cache is a new layout and binds anew. fp8: V read as byte pairs, no scales (ones)."""
-    from flashpage.ops import paged_plan
+    alike (new values, block tables, lengths, output buffers, a ``(batch, 1, nheads, d)`` q of the
+    same rows) only relaunch it (no ``launch_paged_attention``) and match the reference on their own
+    data; an LSE buffer or a larger cache is a new layout and binds anew. fp8: V read as byte pairs, no scales (ones)."""
+    from flashpage.ops import paged_decode as pd
 
     nheads, nheads_k, d, fp8 = 8, 2, 32, kv == "fp8"
     sets = []
@@ -484,35 +484,35 @@ def test_run_decode_binds_and_relaunches(
 
     q = torch.randn(3, nheads, d)
     check(run_decode(plan, q, *sets[0]), q, *sets[0])
-    q4 = torch.randn(3, 1, nheads, d)  # (batch, 1, nheads, d): the same rows, another layout
+    q4 = torch.randn(3, 1, nheads, d)  # (batch, 1, nheads, d): the same rows, so the same launch
     check(run_decode(plan, q4, *sets[1])[:, 0], q4[:, 0], *sets[1])
-    assert len(plan.launches) == 2
+    assert len(plan.launches) == 1
 
     def unbound(*args: object, **kwargs: object) -> None:
         raise AssertionError("a bound layout went through launch_paged_attention")
 
     with monkeypatch.context() as m:
-        m.setattr(paged_plan, "launch_paged_attention", unbound)
+        m.setattr(pd, "launch_paged_attention", unbound)
         for kc, vc, bt, sl in (sets[1], sets[0]):
             for shape in ((3, nheads, d), (3, 1, nheads, d)):
                 q = torch.randn(shape)
                 out = torch.full_like(q, float("nan"))
                 assert run_decode(plan, q, kc, vc, bt, sl, out=out) is out
                 check(out.view(3, nheads, d), q.view(3, nheads, d), kc, vc, bt, sl)
-    assert len(plan.launches) == 2
+    assert len(plan.launches) == 1
     for i, caches in enumerate((sets[1], sets[0])):  # binds, then relaunches with an LSE buffer
         lse = torch.full((3, nheads), float("nan"))
         q = torch.randn(3, nheads, d)
         with monkeypatch.context() as m:
             if i:
-                m.setattr(paged_plan, "launch_paged_attention", unbound)
+                m.setattr(pd, "launch_paged_attention", unbound)
             want = check(run_decode(plan, q, *caches, lse=lse), q, *caches)
         torch.testing.assert_close(lse, want[:, :, 0], atol=1e-5, rtol=1e-5)
     kc, vc, bt, sl = sets[1]
     big = [torch.cat([c, c[:2]]) for c in (kc, vc)]  # two more blocks: a new cache shape
     check(run_decode(plan, q, *big, bt, sl), q, *big, bt, sl)
-    assert len(plan.launches) == 4
-    assert replace(plan, causal=False).launches == {}  # another plan binds its own launches
+    assert len(plan.launches) == 3
+    assert len(replace(plan, causal=False).launches) == 0  # another plan binds its own launches
 
 
 @pytest.mark.parametrize(
@@ -529,7 +529,7 @@ def test_eager_entry_points_relaunch_bound_launches(
     from flashpage.ops import kvcache
     from flashpage.ops import paged_decode as pd
 
-    memo = pd.EagerLaunches()
+    memo = pd.PagedLaunches()
     monkeypatch.setattr(pd, "EAGER_LAUNCHES", memo)
     monkeypatch.setattr(kvcache, "EAGER_LAUNCHES", memo)
     nheads, nheads_k, d, fp8 = 8, 2, 32, kv == "fp8"

@@ -86,7 +86,7 @@ def test_prefill_relaunches_its_bound_launch(monkeypatch: pytest.MonkeyPatch) ->
     from flashpage.ops import paged_decode as pd
     from flashpage.ops import paged_prefill as pp
 
-    memo = pd.EagerLaunches()
+    memo = pd.PagedLaunches()
     monkeypatch.setattr(pp, "EAGER_LAUNCHES", memo)
     q, kc, vc, bt, sl, cu = _setup([20, 3], [70, 0], 32, 8, 1)
     cfg = PagedAttnConfig(block_m=16, block_n=16)

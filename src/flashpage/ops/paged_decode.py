@@ -52,9 +52,9 @@ from flashpage.roofline.planner import choose_heads_per_program, choose_num_spli
 
 __all__ = [
     "EAGER_LAUNCHES",
-    "EagerLaunches",
     "PagedAttnConfig",
     "PagedLaunch",
+    "PagedLaunches",
     "PagedTiles",
     "allocate_workspace",
     "check_paged_cache",
@@ -1596,25 +1596,26 @@ class PagedLaunch:
             self.combine.relaunch((ws[0], ws[1], out, lse if lse is not None else out))
 
 
-class EagerLaunches:
-    """Bound launches of the eager entry points (:func:`paged_decode`, ``flash_attn_with_kvcache``,
-    ``paged_prefill``) by everything a launch derives from its arguments.
+class PagedLaunches:
+    """Bound :class:`PagedLaunch` es by everything a launch derives from its arguments: a decode
+    plan's (:func:`~flashpage.ops.paged_plan.run_decode`) and the eager entry points'
+    (:func:`paged_decode`, ``flash_attn_with_kvcache``, ``paged_prefill``, through ``EAGER_LAUNCHES``).
 
-    An eager loop calls those once per layer and step with tensors laid out alike: the first
-    call of a layout goes through :func:`launch_paged_attention` and binds it; later ones only
-    relaunch (:meth:`PagedLaunch.relaunch`), which saves the launch key, the tiles and Triton's
-    binder (binding took ``run_decode`` from 94 to 40 us per call on an H100 machine's host). The
-    key is every tensor's shape, strides, dtype, device and low four data-pointer bits (Triton's
-    16-byte alignment specialisation, the byte-pair views' parity), which optional tensors are
-    present, and every non-tensor argument. Unlike a :class:`~flashpage.ops.paged_plan.DecodePlan`'s launches, a split
-    workspace is allocated per call: the memo is shared, and calls on other streams may overlap.
-    ``max_items`` bounds it (cleared when full).
+    A decode loop launches once per layer and step with tensors laid out alike: the first call of a
+    layout goes through :func:`launch_paged_attention` and binds it; later ones only relaunch
+    (:meth:`PagedLaunch.relaunch`), which saves the launch key, the tiles and Triton's binder
+    (binding took ``run_decode`` from 94 to 40 us per call on an H100 machine's host). The key is
+    every tensor's shape, strides, dtype, device and low four data-pointer bits (Triton's 16-byte
+    alignment specialisation, the byte-pair views' parity), which optional tensors are present, and
+    every non-tensor argument. A split workspace passed to :meth:`launch` (a plan's own) is bound
+    and reused; without one, each call allocates its own and none is kept, so a memo shared by
+    calls on several streams stays safe. ``max_items`` bounds the memo (cleared when full).
     """
 
     def __init__(self, max_items: int = 64) -> None:
         self.max_items = max_items
-        # key -> (the launch without its workspace, its workspace's (total_q, nheads, splits, d)
-        # and arrival counters, or None unsplit)
+        # key -> (the launch, and for a launch bound without its workspace that workspace's
+        # (total_q, nheads, splits, d) and arrival counters; None where nothing is allocated per call)
         self._items: dict[tuple[Any, ...], tuple[PagedLaunch, tuple[tuple[int, ...], int] | None]] = {}
 
     def __len__(self) -> int:
@@ -1646,43 +1647,48 @@ class EagerLaunches:
         v_scale: Tensor | None,
         num_splits: int,
         config: PagedAttnConfig,
+        workspace: tuple[Tensor, Tensor, Tensor] | None = None,
     ) -> None:
-        """:func:`launch_paged_attention` with these arguments (which allocates the workspace)."""
+        """:func:`launch_paged_attention` with these arguments (``workspace=None``: allocated per call)."""
         tensors = (q, k_cache, v_cache, out, seqlens_k, block_table, cu_seqlens_q, cache_batch_idx, kv_start,
                    lse, alibi_slopes, k_scale, v_scale)  # fmt: skip
         key = (
             config, max_seqlen_q, float(softmax_scale), bool(causal), tuple(window_size), float(softcap),
-            num_splits, *(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15) for t in tensors),
+            num_splits, workspace is None,
+            *(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15) for t in tensors),
         )  # fmt: skip
         hit = self._items.get(key)
         if hit is not None:
             bound, ws_args = hit
             bound.relaunch(
                 q, k_cache, v_cache, out, seqlens_k, block_table=block_table, cu_seqlens_q=cu_seqlens_q,
-                cache_batch_idx=cache_batch_idx, kv_start=kv_start, lse=lse, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
+                cache_batch_idx=cache_batch_idx, kv_start=kv_start, lse=lse, alibi_slopes=alibi_slopes,
+                k_scale=k_scale, v_scale=v_scale,
                 workspace=allocate_workspace(*ws_args[0], q.device, ws_args[1]) if ws_args is not None else None,
             )  # fmt: skip
             return
         bound = launch_paged_attention(
             q, k_cache, v_cache, out, seqlens_k, max_seqlen_q=max_seqlen_q, block_table=block_table,
             cu_seqlens_q=cu_seqlens_q, cache_batch_idx=cache_batch_idx, kv_start=kv_start, lse=lse,
-            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-            k_scale=k_scale, v_scale=v_scale, num_splits=num_splits, config=config, bind=True,
+            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits,
+            config=config, workspace=workspace, bind=True,
         )  # fmt: skip
         if bound is None:  # TMA descriptors: every call takes the full path
             return
         ws_args = None
-        if bound.workspace is not None:
+        if workspace is None and bound.workspace is not None:
             mid_o, _, counters = bound.workspace
             fused = bound.combine is None  # a split without a combine launch combines in the kernel
             ws_args = (tuple(mid_o.shape), counters.numel() if fused else 0)
+            bound = replace(bound, workspace=None)
         if len(self._items) >= self.max_items:
             self._items.clear()
-        self._items[key] = (replace(bound, workspace=None), ws_args)
+        self._items[key] = (bound, ws_args)
 
 
 # The eager entry points' bound launches (paged_decode, flash_attn_with_kvcache, paged_prefill).
-EAGER_LAUNCHES = EagerLaunches()
+EAGER_LAUNCHES = PagedLaunches()
 
 
 def paged_kernel_constexprs(

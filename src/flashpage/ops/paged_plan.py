@@ -20,7 +20,6 @@ Typical use::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,15 +27,19 @@ from torch import Tensor
 from flashpage.ops.cache_write import is_fp8_dtype
 from flashpage.ops.paged_decode import (
     PagedAttnConfig,
-    PagedLaunch,
+    PagedLaunches,
     allocate_workspace,
     default_decode_config,
-    launch_paged_attention,
     paged_grid,
     resolve_launch,
 )
 
 __all__ = ["DecodePlan", "plan_decode", "run_decode"]
+
+
+# Bound launches one plan keeps: an engine step sees one tensor layout per plan (every layer's
+# cache shaped alike); a few more cover callers that alternate buffers.
+_MAX_BOUND = 16
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,8 @@ class DecodePlan:
         softmax_scale, causal, window_size, softcap: attention options baked into the plan.
         workspace: split partial outputs, log2-sum-exps and the fused combine's arrival counters
             (``None`` when ``num_splits == 1``).
-        launches: :func:`run_decode`'s bound launches by the layout of its tensors (filled by
-            ``run_decode``; at most ``_MAX_BOUND`` kept).
+        launches: :func:`run_decode`'s bound launches (bound to ``workspace``) by the layout of
+            its tensors (filled by ``run_decode``; at most ``_MAX_BOUND`` kept).
     """
 
     batch: int
@@ -77,14 +80,9 @@ class DecodePlan:
     softcap: float
     workspace: tuple[Tensor, Tensor, Tensor] | None
     # Not an __init__ argument: dataclasses.replace() must not hand a plan another plan's launches.
-    launches: dict[tuple[Any, ...], PagedLaunch] = field(
-        default_factory=dict, init=False, compare=False, repr=False
+    launches: PagedLaunches = field(
+        default_factory=lambda: PagedLaunches(_MAX_BOUND), init=False, compare=False, repr=False
     )
-
-
-# Bound launches one plan keeps: an engine step sees one tensor layout per plan (every layer's
-# cache shaped alike); a few more cover callers that alternate buffers.
-_MAX_BOUND = 16
 
 
 def plan_decode(
@@ -216,40 +214,11 @@ def run_decode(
             f"lse must be a float32 ({rows}, {plan.nheads}) tensor (batch * seqlen_q, nheads), "
             f"got {tuple(lse.shape)} {lse.dtype}"
         )
-    out_rows = out.view(rows, plan.nheads, plan.head_dim)
-    lse_t = lse.t() if lse is not None else None
-    # Everything launch_paged_attention derives from the tensors (the plan fixes the rest): their
-    # layouts, which optional ones are present, and the low bits of every data pointer (Triton's
-    # 16-byte alignment specialisation; the byte-pair views' parity).
-    key = (
-        q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), v_cache.shape,
-        v_cache.stride(), v_cache.dtype, block_table.dtype, block_table.stride(), cache_seqlens.dtype,
-        cache_seqlens.shape, None if lse is None else lse.stride(),
-        None if alibi_slopes is None else (alibi_slopes.dtype, alibi_slopes.shape, alibi_slopes.stride()),
-        None if k_scale is None else k_scale.dtype, None if v_scale is None else v_scale.dtype,
-        _low_bits(q, k_cache, v_cache, out, block_table, cache_seqlens, lse, alibi_slopes, k_scale, v_scale),
-    )  # fmt: skip
-    bound = plan.launches.get(key)
-    if bound is not None:
-        bound.relaunch(
-            qp, k_cache, v_cache, out_rows, cache_seqlens, block_table=block_table, lse=lse_t,
-            alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
-        )  # fmt: skip
-        return out
-    bound = launch_paged_attention(
-        qp, k_cache, v_cache, out_rows, cache_seqlens,
-        max_seqlen_q=plan.seqlen_q, block_table=block_table, lse=lse_t,
+    plan.launches.launch(
+        qp, k_cache, v_cache, out.view(rows, plan.nheads, plan.head_dim), cache_seqlens,
+        max_seqlen_q=plan.seqlen_q, block_table=block_table, lse=lse.t() if lse is not None else None,
         softmax_scale=plan.softmax_scale, causal=plan.causal, window_size=plan.window_size,
         softcap=plan.softcap, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
-        num_splits=plan.num_splits, config=plan.config, workspace=plan.workspace, bind=True,
+        num_splits=plan.num_splits, config=plan.config, workspace=plan.workspace,
     )  # fmt: skip
-    if bound is not None:
-        if len(plan.launches) >= _MAX_BOUND:
-            plan.launches.clear()
-        plan.launches[key] = bound
     return out
-
-
-def _low_bits(*tensors: Tensor | None) -> tuple[int, ...]:
-    """The low four bits of each tensor's data pointer (``-1`` for ``None``)."""
-    return tuple(-1 if t is None else t.data_ptr() & 15 for t in tensors)
