@@ -2,8 +2,11 @@
 
 Public API (imported lazily so ``import flashpage`` and ``flashpage --help`` stay fast):
 
-* ``flash_attn_func``, ``flash_attn_varlen_func``, ``flash_attn_with_kvcache`` — flash-attn 2.x
-  compatible attention (Triton kernels on GPU, PyTorch reference path on CPU).
+* ``flash_attn_func``, ``flash_attn_varlen_func``, ``flash_attn_with_kvcache`` and the packed
+  variants ``flash_attn_(varlen_)qkvpacked_func`` / ``flash_attn_(varlen_)kvpacked_func`` — flash-attn
+  2.x compatible attention (Triton kernels on GPU, PyTorch reference path on CPU); their argument
+  errors are ``FlashAttnError`` (a ``RuntimeError`` and a ``ValueError``). ``flashpage.bert_padding``
+  has flash-attn's ``unpad_input`` / ``pad_input``.
 * ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput`` — the vLLM-style engine.
 """
 
@@ -17,7 +20,12 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "flash_attn_func": "flashpage.ops.flash_attn",
     "flash_attn_varlen_func": "flashpage.ops.flash_attn",
+    "flash_attn_qkvpacked_func": "flashpage.ops.flash_attn",
+    "flash_attn_kvpacked_func": "flashpage.ops.flash_attn",
+    "flash_attn_varlen_qkvpacked_func": "flashpage.ops.flash_attn",
+    "flash_attn_varlen_kvpacked_func": "flashpage.ops.flash_attn",
     "flash_attn_with_kvcache": "flashpage.ops.kvcache",
+    "FlashAttnError": "flashpage.ops.flash_args",
     "LLM": "flashpage.engine.llm",
     "SamplingParams": "flashpage.engine.sampling_params",
     "RequestOutput": "flashpage.engine.outputs",

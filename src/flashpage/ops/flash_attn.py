@@ -35,13 +35,22 @@ import torch
 from torch import Tensor
 
 from flashpage.ops.backend import resolve_backend
+from flashpage.ops.flash_args import FlashAttnError, flash_attn_errors, window_pair
 from flashpage.ops.flash_bwd import flash_bwd
 from flashpage.ops.flash_fwd import AttnProblem, attention_probs, check_attention_inputs, flash_fwd
 from flashpage.ops.paged_decode import check_paged_cache, check_paged_values
 from flashpage.ops.paged_prefill import check_cu_seqlens, kv_attention_config, paged_prefill
 from flashpage.ops.reference import attention_ref, gather_paged_kv, varlen_attention_ref
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_varlen_fwd"]
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_fwd",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+]
 
 _SEED_HIGH = 1 << 62
 
@@ -331,6 +340,7 @@ def _scale(q: Tensor, softmax_scale: float | None) -> float:
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
+@flash_attn_errors
 def flash_attn_func(
     q: Tensor,
     k: Tensor,
@@ -358,7 +368,11 @@ def flash_attn_func(
 
     Returns:
         ``out (batch, seqlen_q, nheads, d)``, or ``(out, softmax_lse, S_dmask)``.
+
+    Raises:
+        FlashAttnError: a bad argument (a ``RuntimeError`` and a ``ValueError``, naming it).
     """
+    window_size = window_pair(window_size)
     backend = resolve_backend(q.device if isinstance(q, Tensor) else None)
     validate = not torch.compiler.is_compiling()
     prob = check_attention_inputs(
@@ -378,6 +392,7 @@ def flash_attn_func(
     return (out, lse, probs) if return_attn_probs else out
 
 
+@flash_attn_errors
 def flash_attn_varlen_func(
     q: Tensor,
     k: Tensor,
@@ -406,13 +421,19 @@ def flash_attn_varlen_func(
             ``k``/``v`` are then the caches ``(num_blocks, block_size, nheads_k, d)`` (any power-of-two
             block size 8-256, q's dtype or fp8 e4m3 read with unit scales), ``cu_seqlens_k`` the
             prefix sums of each sequence's keys in the cache, whose queries are its last ones
-            (bottom-right alignment, as chunked prefill over a cached prefix needs). Forward only:
-            no dropout, no gradient.
+            (bottom-right alignment, as chunked prefill over a cached prefix needs). Forward only,
+            as flash-attn: inputs may require grad, but a backward through ``out`` raises; no
+            dropout.
         Other arguments: as :func:`flash_attn_func`; a ``(batch, nheads)`` alibi is per sequence.
 
     Returns:
         ``out (total_q, nheads, d)``, or ``(out, softmax_lse (nheads, total_q), S_dmask)``.
+
+    Raises:
+        FlashAttnError: a bad argument (a ``RuntimeError`` and a ``ValueError``, naming it); with
+            ``block_table``, also raised by a backward through ``out``.
     """
+    window_size = window_pair(window_size)
     if block_table is not None:
         return _paged_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
@@ -442,6 +463,112 @@ def flash_attn_varlen_func(
     return (out, lse, probs) if return_attn_probs else out
 
 
+# ----------------------------------------------------------------------------------------------
+# Packed variants (flash-attn 2.x): views into the packed tensor, so gradients flow back into it.
+# ----------------------------------------------------------------------------------------------
+def _unpack(name: str, x: Tensor, n: int, dim: int) -> tuple[Tensor, ...]:
+    """The ``n`` tensors stacked on ``dim`` of a packed ``x``, as views."""
+    want = 5 if dim == 2 else 4
+    if not isinstance(x, Tensor) or x.dim() != want or x.shape[dim] != n:
+        layout = "(batch, seqlen" if dim == 2 else "(total"
+        raise FlashAttnError(
+            f"{name}: must be {layout}, {n}, nheads, d), got {tuple(getattr(x, 'shape', ())) or type(x).__name__}"
+        )
+    return x.unbind(dim)
+
+
+@flash_attn_errors
+def flash_attn_qkvpacked_func(
+    qkv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+    """flash-attn 2.x ``flash_attn_qkvpacked_func``: :func:`flash_attn_func` on ``qkv (batch,
+    seqlen, 3, nheads, d)``; the gradient is ``dqkv`` of the same shape."""
+    q, k, v = _unpack("qkv", qkv, 3, 2)
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs,
+    )  # fmt: skip
+
+
+@flash_attn_errors
+def flash_attn_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+    """flash-attn 2.x ``flash_attn_kvpacked_func``: :func:`flash_attn_func` with ``q (batch,
+    seqlen_q, nheads, d)`` and ``kv (batch, seqlen_k, 2, nheads_k, d)`` (GQA/MQA as unpacked)."""
+    k, v = _unpack("kv", kv, 2, 2)
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs,
+    )  # fmt: skip
+
+
+@flash_attn_errors
+def flash_attn_varlen_qkvpacked_func(
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+    """flash-attn 2.x ``flash_attn_varlen_qkvpacked_func``: :func:`flash_attn_varlen_func` on
+    ``qkv (total, 3, nheads, d)`` with one ``cu_seqlens`` / ``max_seqlen`` for queries and keys."""
+    q, k, v = _unpack("qkv", qkv, 3, 1)
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+    )  # fmt: skip
+
+
+@flash_attn_errors
+def flash_attn_varlen_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+    """flash-attn 2.x ``flash_attn_varlen_kvpacked_func``: :func:`flash_attn_varlen_func` with
+    ``q (total_q, nheads, d)`` and ``kv (total_k, 2, nheads_k, d)``."""
+    k, v = _unpack("kv", kv, 2, 1)
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+    )  # fmt: skip
+
+
 def _paged_varlen(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, block_table: Tensor,
     max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float | None, causal: bool,
@@ -453,13 +580,16 @@ def _paged_varlen(
         raise ValueError(
             f"dropout_p={dropout_p}: dropout is not supported with a paged KV cache (block_table)"
         )
-    if torch.is_grad_enabled() and any(
-        isinstance(t, Tensor) and t.requires_grad for t in (q, k_cache, v_cache)
-    ):
-        raise ValueError(
-            "flash_attn_varlen_func with block_table (a paged KV cache) has no backward: call it under "
-            "torch.no_grad() or pass tensors that do not require grad"
-        )
+    inputs = (q, k_cache, v_cache)
+    if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in inputs):
+        with torch.no_grad():
+            res = _paged_varlen(
+                q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k,
+                dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+            )  # fmt: skip
+        if isinstance(res, Tensor):
+            return _NoPagedBackward.apply(res, *inputs)  # type: ignore[no-any-return]
+        return (_NoPagedBackward.apply(res[0], *inputs), *res[1:])  # type: ignore[return-value]
     if not isinstance(q, Tensor) or q.dim() != 3:
         raise ValueError(f"q must be packed (total_q, nheads, d), got {getattr(q, 'shape', q)}")
     if not isinstance(block_table, Tensor) or block_table.dim() != 2:
@@ -498,6 +628,22 @@ def _paged_varlen(
         wl, wr, float(softcap), alibi_slopes, not compiling,
     )  # fmt: skip
     return (out, lse, packed(True)[2]) if return_attn_probs else out
+
+
+class _NoPagedBackward(torch.autograd.Function):
+    """Identity on a paged varlen ``out`` whose backward raises: flash-attn runs this forward on
+    inputs that require grad and has no backward for it, so neither does flashpage."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, out: Tensor, *_inputs: Tensor) -> Tensor:  # type: ignore[override]
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, *_grads: Tensor) -> tuple:  # type: ignore[override]
+        raise FlashAttnError(
+            "block_table: flash_attn_varlen_func over a paged KV cache has no backward (as in flash-attn); "
+            "call it on tensors that do not require grad, or without block_table"
+        )
 
 
 def _gather_pages(cache: Tensor, block_table: Tensor, seqlens: Tensor) -> Tensor:

@@ -86,7 +86,7 @@ __all__ = [
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_HEAD_DIM, MAX_HEAD_DIM = 32, 256
+MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
 
 
 # ----------------------------------------------------------------------------------------------
