@@ -137,8 +137,12 @@ def test_varlen_func_forward_backward_and_probs() -> None:
     do = torch.randn_like(out)
     for a, r in zip(_grads(out, do, q, k, v), _grads(ref, do, q, k, v)):
         close(a, r)
-    with pytest.raises(ValueError, match=r"block_table .* has no backward"):  # paged varlen: forward only
-        flash_attn_varlen_func(q, k, v, cq, ck, 17, 17, block_table=torch.zeros(4, 1, dtype=torch.int32))
+    kc = torch.randn(4, 32, 2, 32, requires_grad=True)  # one 32-token block per sequence
+    table = torch.arange(4, dtype=torch.int32).view(4, 1)
+    paged = flash_attn_varlen_func(q, kc, kc, cq, ck, 17, 17, causal=True, block_table=table)
+    close(paged, varlen_attention_ref(q, *[torch.cat([kc[i, :n] for i, n in enumerate([6, 9, 3, 17])])] * 2, cq, ck, causal=True)[0])
+    with pytest.raises(RuntimeError, match=r"block_table: .* has no backward"):  # paged varlen: forward only
+        paged.sum().backward()
 
 
 def test_torch_backend_matches_triton(monkeypatch: pytest.MonkeyPatch) -> None:

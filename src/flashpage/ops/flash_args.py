@@ -35,17 +35,13 @@ class FlashAttnTypeError(FlashAttnError, TypeError):
 
 
 def _named(message: str, params: tuple[str, ...]) -> str:
-    """``message`` led by the first of ``params`` it mentions: ``"x must be ..."`` becomes
-    ``"x: must be ..."``, ``"... x ..."`` becomes ``"x: ... x ..."`` (unchanged if none is named)."""
+    """``message`` led by the first of ``params`` it mentions and a colon: ``"x must be ..."``
+    becomes ``"x: x must be ..."`` (unchanged when it names none or already starts so)."""
     found = [(m.start(), p) for p in params if (m := re.search(rf"(?<![\w.]){re.escape(p)}(?!\w)", message))]
     if not found:
         return message
     name = min(found)[1]
-    if message.startswith(name + ":"):
-        return message
-    if message.startswith(name + " "):
-        return f"{name}: {message[len(name) + 1 :]}"
-    return f"{name}: {message}"
+    return message if message.startswith(name + ":") else f"{name}: {message}"
 
 
 def flash_attn_errors(fn: Callable[P, R]) -> Callable[P, R]:

@@ -40,6 +40,7 @@ from flashpage.ops.flash_bwd import flash_bwd
 from flashpage.ops.flash_fwd import AttnProblem, attention_probs, check_attention_inputs, flash_fwd
 from flashpage.ops.paged_decode import check_paged_cache, check_paged_values
 from flashpage.ops.paged_prefill import check_cu_seqlens, kv_attention_config, paged_prefill
+from flashpage.ops.paged_prefill import _check_cu_values as check_cu_values
 from flashpage.ops.reference import attention_ref, gather_paged_kv, varlen_attention_ref
 
 __all__ = [
@@ -596,13 +597,25 @@ def _paged_varlen(
         raise ValueError(
             f"block_table must be (batch, max_blocks_per_seq) int32, got {getattr(block_table, 'shape', block_table)}"
         )
-    check_cu_seqlens(cu_seqlens_k, block_table.shape[0], -1, q.device, name="cu_seqlens_k")
+    batch = block_table.shape[0]
+    check_cu_seqlens(cu_seqlens_k, batch, -1, q.device, name="cu_seqlens_k")
     seqlens_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    check_paged_cache(
+        q, k_cache, v_cache, block_table, seqlens_k, batch=batch, seqlens_name="cu_seqlens_k's lengths",
+        alibi_slopes=alibi_slopes,
+    )  # fmt: skip
+    check_cu_seqlens(cu_seqlens_q, batch, q.shape[0], q.device)
     compiling = torch.compiler.is_compiling()
-    # Only the differences reach the kernel; a prefix sum not starting at 0 is a caller's mistake.
-    if not compiling and block_table.shape[0] and int(cu_seqlens_k[0]) != 0:
-        raise ValueError(f"cu_seqlens_k must start at 0, got {int(cu_seqlens_k[0])}")
+    if not compiling:  # value checks read the device: eager only
+        # Only the differences reach the kernel; a prefix sum not starting at 0 is a caller's mistake.
+        if batch and int(cu_seqlens_k[0]) != 0:
+            raise ValueError(f"cu_seqlens_k must start at 0, got {int(cu_seqlens_k[0])}")
+        check_cu_values(cu_seqlens_q, q.shape[0], max_seqlen_q)
+        # A sequence may have more queries than keys (its first queries then see no key), as in flash-attn.
+        check_paged_values(
+            block_table, seqlens_k, k_cache.shape[0], k_cache.shape[1], seqlens_name="cu_seqlens_k's lengths"
+        )
     scale = _scale(q, softmax_scale)
     wl, wr = int(window_size[0]), int(window_size[1])
 
@@ -616,16 +629,11 @@ def _paged_varlen(
         )  # fmt: skip
 
     if resolve_backend(q.device) == "torch":
-        batch = block_table.shape[0]
-        check_paged_cache(q, k_cache, v_cache, block_table, seqlens_k, batch=batch, seqlens_name="seqlens_k")
-        check_paged_values(
-            block_table, seqlens_k, k_cache.shape[0], k_cache.shape[1], seqlens_name="seqlens_k"
-        )
         return packed(return_attn_probs)
     run = _paged_varlen_op if compiling else _paged_varlen_impl
     out, lse = run(
         q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_seqlen_q, max_seqlen_k, scale, bool(causal),
-        wl, wr, float(softcap), alibi_slopes, not compiling,
+        wl, wr, float(softcap), alibi_slopes, False,
     )  # fmt: skip
     return (out, lse, packed(True)[2]) if return_attn_probs else out
 

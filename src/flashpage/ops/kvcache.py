@@ -32,7 +32,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flashpage.ops.cache_write import reshape_and_cache
+from flashpage.ops.backend import resolve_backend
+from flashpage.ops.cache_write import FP8_E4M3_MAX, is_fp8_dtype, reshape_and_cache
+from flashpage.ops.flash_args import flash_attn_errors, window_pair
 from flashpage.ops.paged_decode import (
     EAGER_LAUNCHES,
     check_paged_cache,
@@ -40,6 +42,7 @@ from flashpage.ops.paged_decode import (
     resolve_launch,
 )
 from flashpage.ops.paged_prefill import kv_attention_config
+from flashpage.ops.reference import attention_ref, gather_paged_kv
 
 __all__ = ["apply_rotary", "flash_attn_with_kvcache"]
 
@@ -76,6 +79,7 @@ def _check_per_sequence(name: str, x: object, batch: int, device: torch.device) 
         raise ValueError(f"{name} must be contiguous, got stride {x.stride(0)}")
 
 
+@flash_attn_errors
 def flash_attn_with_kvcache(
     q: Tensor,
     k_cache: Tensor,
@@ -122,9 +126,16 @@ def flash_attn_with_kvcache(
     Returns:
         ``out (batch, seqlen_q, nheads, d)``; with ``return_softmax_lse`` also
         ``softmax_lse (batch, nheads, seqlen_q)`` float32 (natural log).
+
+    Raises:
+        FlashAttnError: a bad argument (a ``RuntimeError`` and a ``ValueError``, naming it).
     """
+    window_size = window_pair(window_size)
     if not isinstance(q, Tensor) or q.dim() != 4:
         raise ValueError(f"q must be (batch, seqlen_q, nheads, d), got {getattr(q, 'shape', q)}")
+    on_torch = resolve_backend(q.device) == "torch"
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = planner), got {num_splits!r}")
     batch, seqlen_q, _, d = q.shape
     paged = block_table is not None
     if not isinstance(k_cache, Tensor) or k_cache.dim() != 4:
@@ -232,13 +243,13 @@ def flash_attn_with_kvcache(
             slots = rows[:, None] * k_cache.shape[1] + pos
         # Tokens past the cache's capacity are dropped (validate=True has already rejected them).
         slots = torch.where(pos < capacity, slots, -1)
-        append = _cache_append_op if compiling else _cache_append
+        append = _torch_cache_append if on_torch else _cache_append_op if compiling else _cache_append
         append(
             k.reshape(batch * seqlen_new, *k.shape[2:]), v.reshape(batch * seqlen_new, *v.shape[2:]),
             k_cache, v_cache, slots.reshape(-1), k_scale, v_scale,
         )  # fmt: skip
     seqlens_k = (cache_seqlens + seqlen_new).to(torch.int32) if seqlen_new else cache_seqlens
-    attend = _cache_attention_op if compiling else _cache_attention
+    attend = _torch_cache_attention if on_torch else _cache_attention_op if compiling else _cache_attention
     out, lse = attend(
         q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
         float(softmax_scale) if softmax_scale is not None else d**-0.5, bool(causal), int(window_size[0]),
@@ -313,6 +324,79 @@ def _cache_attention(
     if lse is None:
         return out, q.new_empty((0,), dtype=torch.float32)
     return out, lse.permute(0, 2, 1).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# The torch backend: the same two steps in plain PyTorch (the reference attention, per sequence).
+# ----------------------------------------------------------------------------------------------
+def _torch_cache_append(
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+) -> None:
+    """:func:`_cache_append` in PyTorch: an fp8 cache stores ``clamp(x / scale, +-448)`` rounded to
+    nearest even (``reshape_and_cache``'s quantisation)."""
+    keep = slots >= 0
+    idx = slots[keep]
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        new = x[keep]
+        if is_fp8_dtype(cache.dtype):
+            new = new.float() / scale[:, None] if scale is not None else new.float()
+            new = new.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        cache.view(-1, *cache.shape[2:])[idx] = new.to(cache.dtype)
+
+
+def _torch_cache_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    seqlens_k: Tensor,
+    cache_batch_idx: Tensor | None,
+    cache_leftpad: Tensor | None,
+    block_table: Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    num_splits: int,
+    return_softmax_lse: bool,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`_cache_attention` through the float32 reference, one sequence at a time (host reads
+    of the lengths). Dropping the ``cache_leftpad`` keys keeps the bottom-right alignment and ALiBi
+    distances, which only depend on a key's distance from the last key."""
+    batch, seqlen_q, nheads, _ = q.shape
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, nheads, seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
+    lens = seqlens_k.tolist()
+    starts = cache_leftpad.tolist() if cache_leftpad is not None else [0] * batch
+    rows = cache_batch_idx.tolist() if cache_batch_idx is not None else list(range(batch))
+
+    def keys(cache: Tensor, scale: Tensor | None, b: int) -> Tensor:
+        if block_table is not None:
+            x = gather_paged_kv(cache, block_table, lens[b], b)[starts[b] :]
+        else:
+            x = cache[rows[b], starts[b] : lens[b]]
+        x = x.float()
+        return (x * scale[:, None] if scale is not None else x).unsqueeze(0)
+
+    for b in range(batch):
+        alibi = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        o, l_b = attention_ref(
+            q[b : b + 1], keys(k_cache, k_scale, b), keys(v_cache, v_scale, b), softmax_scale=softmax_scale,
+            causal=causal, window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi,
+        )[:2]  # fmt: skip
+        out[b], lse[b] = o[0], l_b[0]
+    if not return_softmax_lse:
+        lse = q.new_empty((0,), dtype=torch.float32)
+    return out.to(q.dtype), lse
 
 
 _cache_append_op = torch.library.custom_op(
