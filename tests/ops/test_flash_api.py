@@ -7,7 +7,10 @@ import pytest
 import torch
 from torch import Tensor
 
+import flashpage
+from flashpage.ops.flash_args import FlashAttnError
 from flashpage.ops.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_varlen_fwd
+from flashpage.ops.kvcache import flash_attn_with_kvcache
 from flashpage.ops.reference import attention_ref, varlen_attention_ref, visible_mask
 from tests.ops.test_flash_fwd import make_qkv, make_varlen, on_device  # noqa: F401 (fixture)
 from tests.tolerance import assert_close_to_ref
@@ -234,3 +237,112 @@ def test_custom_op_opcheck() -> None:
         torch.ops.flashpage.flash_attn_forward.default, args,
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )  # fmt: skip
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("d", [8, 16, 24])
+def test_small_head_dims_forward_backward(d: int) -> None:
+    """flash-attn 2 takes every multiple of 8: padded and varlen, forward and backward, and paged."""
+    q, k, v = make_qkv(1, 9, 12, 4, 2, d, grad=True)
+    out = flash_attn_func(q, k, v, causal=True)
+    ref = attention_ref(q, k, v, causal=True)[0]
+    close(out, ref)  # type: ignore[arg-type]
+    do = torch.randn_like(ref)
+    for a, r in zip(_grads(out, do, q, k, v), _grads(ref, do, q, k, v)):  # type: ignore[arg-type]
+        close(a, r)
+    qv, kv, vv, cq, ck = make_varlen([3, 5], [4, 8], 2, 1, d)
+    close(flash_attn_varlen_func(qv, kv, vv, cq, ck, 5, 8, causal=True), varlen_attention_ref(qv, kv, vv, cq, ck, causal=True)[0])  # type: ignore[arg-type]
+    kc, vc = torch.randn(2, 2, 8, 1, d).unbind(0)
+    table = torch.tensor([[1], [0]], dtype=torch.int32)
+    paged = flash_attn_varlen_func(qv, kc, vc, cq, ck, 5, 8, causal=True, block_table=table)
+    close(paged, varlen_attention_ref(qv, torch.cat([kc[1, :4], kc[0]]), torch.cat([vc[1, :4], vc[0]]), cq, ck, causal=True)[0])  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_window_size_any_int_pair_or_tensor() -> None:
+    """flash-attn's tests pass window_size as a 2-element tensor; lists and tuples work too."""
+    q, k, v = make_qkv(1, 10, 10, 2, 1, 16)
+    ref = attention_ref(q, k, v, window_size=(3, 1))[0]
+    for w in ((3, 1), [3, 1], torch.tensor([3, 1]), (torch.tensor(3), 1)):
+        close(flash_attn_func(q, k, v, window_size=w), ref)  # type: ignore[arg-type]
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    close(flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 10, 10, window_size=torch.tensor([3, 1])), ref[0])  # type: ignore[arg-type]
+    out = flash_attn_with_kvcache(q, k, v, window_size=torch.tensor([3, 1], dtype=torch.int32))
+    close(out, ref)  # type: ignore[arg-type]
+    for bad in ((1, 2, 3), (1.5, 0), torch.tensor([1.0, 2.0]), 4):
+        with pytest.raises(FlashAttnError, match="window_size"):
+            flash_attn_func(q, k, v, window_size=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_argument_errors_are_runtime_and_value_errors_naming_the_argument() -> None:
+    q, k, v = make_qkv(1, 8, 8, 4, 2, 16)
+    qv, kv, vv, cq, ck = make_varlen([8], [8], 4, 2, 16)
+    kc = torch.randn(2, 8, 2, 16)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    calls = {
+        "dropout_p": lambda: flash_attn_func(q, k, v, dropout_p=1.5),
+        "alibi_slopes": lambda: flash_attn_func(q, k, v, alibi_slopes=torch.ones(3)),
+        "cu_seqlens_q": lambda: flash_attn_varlen_func(qv, kv, vv, cq.long(), ck, 8, 8),
+        "block_table": lambda: flash_attn_varlen_func(qv, kc, kc, cq, ck, 8, 8, block_table=table.long()),
+        "cu_seqlens_k": lambda: flash_attn_varlen_func(qv, kc, kc, cq, ck * 2, 8, 16, block_table=table),
+        "cache_batch_idx": lambda: flash_attn_with_kvcache(q, kc, kc, cache_batch_idx=torch.tensor([5]).int()),
+        "num_splits": lambda: flash_attn_with_kvcache(q, kc, kc, num_splits=-1),
+        "qkv": lambda: flashpage.flash_attn_qkvpacked_func(q),
+    }
+    for name, call in calls.items():
+        with pytest.raises(FlashAttnError, match=rf"^{name}: ") as info:
+            call()
+        assert isinstance(info.value, RuntimeError) and isinstance(info.value, ValueError), name
+    with pytest.raises(TypeError, match="^cu_seqlens_q: "):  # type errors stay TypeErrors too
+        flash_attn_varlen_func(qv, kv, vv, cq.long(), ck, 8, 8)
+    assert flashpage.FlashAttnError is FlashAttnError
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_packed_variants_match_unpacked_and_grad_into_the_pack(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASHPAGE_BACKEND", backend)
+    qkv = torch.randn(2, 7, 3, 2, 16, requires_grad=True)
+    q, k, v = (t.detach().requires_grad_() for t in qkv.unbind(2))
+    out = flashpage.flash_attn_qkvpacked_func(qkv, causal=True)
+    ref = flash_attn_func(q, k, v, causal=True)
+    do = torch.randn_like(out)
+    assert torch.equal(out, ref)
+    (dqkv,) = torch.autograd.grad(out, qkv, do)
+    assert torch.equal(dqkv, torch.stack(_grads(ref, do, q, k, v), dim=2))
+    kv = torch.randn(2, 9, 2, 1, 16, requires_grad=True)
+    k1, v1 = (t.detach().requires_grad_() for t in kv.unbind(2))
+    out = flashpage.flash_attn_kvpacked_func(q, kv, window_size=(2, 2))
+    ref = flash_attn_func(q, k1, v1, window_size=(2, 2))
+    assert torch.equal(out, ref)
+    dkv_ref = torch.stack(_grads(ref, do, k1, v1), dim=2)
+    assert torch.equal(torch.autograd.grad(out, kv, do)[0], dkv_ref)
+    # varlen: the batch above packed (total, 3, nheads, d) / (total, 2, nheads_k, d)
+    cu = torch.tensor([0, 7, 14], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 18], dtype=torch.int32)
+    qkv_p = qkv.detach().reshape(14, 3, 2, 16).requires_grad_()
+    out = flashpage.flash_attn_varlen_qkvpacked_func(qkv_p, cu, 7, causal=True)
+    close(out, flashpage.flash_attn_qkvpacked_func(qkv, causal=True).reshape(14, 2, 16))  # type: ignore[union-attr]
+    (g,) = torch.autograd.grad(out, qkv_p, do.reshape(14, 2, 16))
+    close(g, dqkv.reshape(14, 3, 2, 16))
+    kv_p = kv.detach().reshape(18, 2, 1, 16).requires_grad_()
+    out = flashpage.flash_attn_varlen_kvpacked_func(q.reshape(14, 2, 16), kv_p, cu, cu_k, 7, 9, window_size=(2, 2))
+    close(out, ref.reshape(14, 2, 16))  # type: ignore[union-attr]
+    dkv = torch.autograd.grad(out, kv_p, do.reshape(14, 2, 16))[0]
+    close(dkv, dkv_ref.reshape(18, 2, 1, 16))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_paged_varlen_forward_on_grad_inputs_backward_raises(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As flash-attn: the forward runs on inputs that require grad; only a backward raises."""
+    monkeypatch.setenv("FLASHPAGE_BACKEND", backend)
+    qv, _, _, cq, ck = make_varlen([2, 6], [5, 3], 2, 1, 16)  # sequence 1: more queries than keys
+    qv.requires_grad_()
+    kc = torch.randn(3, 8, 1, 16, requires_grad=True)
+    table = torch.tensor([[2], [0]], dtype=torch.int32)
+    out, lse, _ = flash_attn_varlen_func(qv, kc, kc, cq, ck, 6, 5, causal=True, block_table=table, return_attn_probs=True)
+    ref, ref_lse = varlen_attention_ref(qv, torch.cat([kc[2, :5], kc[0, :3]]), torch.cat([kc[2, :5], kc[0, :3]]), cq, ck, causal=True)
+    close(out, ref)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)) and bool(torch.isneginf(lse).any())
+    with pytest.raises(FlashAttnError, match="^block_table: .*no backward"):
+        out.sum().backward()

@@ -411,3 +411,73 @@ def test_cache_leftpad_errors() -> None:
         flash_attn_with_kvcache(
             q, kc, kc.clone(), cache_seqlens=sl, cache_leftpad=torch.tensor([4, 0], dtype=torch.int32)
         )
+
+
+_AGREE_CASES = {
+    # id: (paged, d, seqlen_q, seqlen_new, options); cache lengths are [5, 0, 13].
+    "contig-decode": (False, 32, 1, 0, {}),
+    "contig-append-idx-rotary-causal-window-softcap-alibi-d24": (
+        False, 24, 2, 2, {"idx": True, "rotary": True, "causal": True, "window_size": (3, -1),
+                          "softcap": 2.0, "alibi": True},
+    ),
+    "contig-q-longer-than-keys-d16": (False, 16, 6, 0, {"causal": True}),
+    "paged-append-causal-d16": (True, 16, 3, 2, {"causal": True}),
+    "paged-q-longer-than-keys-noncausal-d16": (True, 16, 6, 0, {}),
+    "paged-fp8-append-rotary-window-alibi-d8": (
+        True, 8, 1, 1, {"fp8": True, "rotary": True, "window_size": (4, 0), "alibi": True},
+    ),
+    "paged-leftpad-append-causal-splits": (True, 32, 2, 1, {"leftpad": True, "causal": True, "num_splits": 2}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(_AGREE_CASES), ids=list(_AGREE_CASES))
+def test_torch_and_triton_backends_agree(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both backends take the same inputs and give the same cache, out and lse (fp32, so the
+    tolerance rule's same-precision baseline is the reference itself)."""
+    paged, d, seqlen_q, seqlen_new, opt = _AGREE_CASES[case]
+    batch, nheads, nheads_k = 3, 4, 2
+    dtype = torch.float8_e4m3fn if opt.get("fp8") else torch.float32
+    if paged:
+        kc, vc, bt, lens = make_paged_cache([7, 3, 15], 8, nheads_k, d, dtype=dtype)
+        lens = torch.tensor([5, 0, 13], dtype=torch.int32)
+    else:
+        kc, vc = (torch.randn(4, 24, nheads_k, d).to(dtype) for _ in range(2))
+        bt, lens = None, torch.tensor([5, 0, 13], dtype=torch.int32)
+    kw: dict[str, object] = {"cache_seqlens": lens, "block_table": bt, "return_softmax_lse": True}
+    kw |= {key: opt[key] for key in ("causal", "window_size", "softcap", "num_splits") if key in opt}
+    if opt.get("alibi"):
+        kw["alibi_slopes"] = torch.rand(nheads) * 0.5
+    if opt.get("idx"):
+        kw["cache_batch_idx"] = torch.tensor([2, 0, 3], dtype=torch.int32)
+    if opt.get("leftpad"):
+        kw["cache_leftpad"] = torch.tensor([2, 0, 4], dtype=torch.int32)
+    if opt.get("rotary"):
+        _theta, kw["rotary_cos"], kw["rotary_sin"] = _rotary_tables(40, d // 2)
+    q = torch.randn(batch, seqlen_q, nheads, d)
+    k, v = (torch.randn(batch, seqlen_new, nheads_k, d) for _ in range(2)) if seqlen_new else (None, None)
+    res = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("FLASHPAGE_BACKEND", backend)
+        caches = kc.clone(), vc.clone()
+        out, lse = flash_attn_with_kvcache(q, *caches, k, v, **kw)  # type: ignore[arg-type,misc]
+        res[backend] = (out, lse, *caches)
+    out_t, lse_t, kc_t, vc_t = res["torch"]
+    out_k, lse_k, kc_k, vc_k = res["triton"]
+    assert torch.equal(kc_t.float(), kc_k.float()) and torch.equal(vc_t.float(), vc_k.float())
+    assert_close_to_ref(out_k, out_t, out_t)
+    assert torch.equal(torch.isneginf(lse_t), torch.isneginf(lse_k))
+    seen = torch.isfinite(lse_t)
+    torch.testing.assert_close(lse_k[seen], lse_t[seen], atol=1e-5, rtol=1e-5)
+    if seqlen_q > 5 and opt.get("causal"):  # sequence 1 has no key at all; sequence 0 sees none in its first row
+        assert not out_t[1].any() and not out_t[0, 0].any()
+
+
+def test_torch_backend_on_cpu_without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default backend on CPU is the torch path: no Triton, even with the interpreter off."""
+    monkeypatch.setenv("FLASHPAGE_BACKEND", "auto")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    kc, vc, bt, lens = make_paged_cache([9, 4], 8, 1, 16)
+    q, k = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 1, 16)
+    out = flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=lens, block_table=bt, causal=True)
+    ref = paged_attention_ref(q, kc, vc, bt, lens + 1, causal=True)[0]
+    assert_close_to_ref(out, ref, ref)  # type: ignore[arg-type]
