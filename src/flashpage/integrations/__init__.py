@@ -1,0 +1,1 @@
+"""Integrations of flashpage's kernels into other libraries (``transformers``)."""
