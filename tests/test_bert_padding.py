@@ -13,7 +13,9 @@ def test_unpad_pad_roundtrip_left_and_right_padding() -> None:
     packed, indices, cu, max_len, used = unpad_input(x, mask)
     assert packed.shape == (11, 2, 4) and indices.dtype == torch.int64
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 6, 11]
-    assert max_len == 5 and isinstance(max_len, int) and used.dtype == torch.int32 and used.tolist() == [3, 3, 5]
+    assert (
+        max_len == 5 and isinstance(max_len, int) and used.dtype == torch.int32 and used.tolist() == [3, 3, 5]
+    )
     assert torch.equal(packed, x.detach()[mask])  # row-major order of the kept tokens
     back = pad_input(packed, indices, 3, 5)
     assert torch.equal(back, x.detach() * mask[..., None, None])

@@ -143,7 +143,12 @@ def test_varlen_func_forward_backward_and_probs() -> None:
     kc = torch.randn(4, 32, 2, 32, requires_grad=True)  # one 32-token block per sequence
     table = torch.arange(4, dtype=torch.int32).view(4, 1)
     paged = flash_attn_varlen_func(q, kc, kc, cq, ck, 17, 17, causal=True, block_table=table)
-    close(paged, varlen_attention_ref(q, *[torch.cat([kc[i, :n] for i, n in enumerate([6, 9, 3, 17])])] * 2, cq, ck, causal=True)[0])
+    close(
+        paged,
+        varlen_attention_ref(
+            q, *[torch.cat([kc[i, :n] for i, n in enumerate([6, 9, 3, 17])])] * 2, cq, ck, causal=True
+        )[0],
+    )
     with pytest.raises(RuntimeError, match=r"block_table: .* has no backward"):  # paged varlen: forward only
         paged.sum().backward()
 
@@ -251,11 +256,13 @@ def test_small_head_dims_forward_backward(d: int) -> None:
     for a, r in zip(_grads(out, do, q, k, v), _grads(ref, do, q, k, v)):  # type: ignore[arg-type]
         close(a, r)
     qv, kv, vv, cq, ck = make_varlen([3, 5], [4, 8], 2, 1, d)
-    close(flash_attn_varlen_func(qv, kv, vv, cq, ck, 5, 8, causal=True), varlen_attention_ref(qv, kv, vv, cq, ck, causal=True)[0])  # type: ignore[arg-type]
+    out_v = flash_attn_varlen_func(qv, kv, vv, cq, ck, 5, 8, causal=True)
+    close(out_v, varlen_attention_ref(qv, kv, vv, cq, ck, causal=True)[0])  # type: ignore[arg-type]
     kc, vc = torch.randn(2, 2, 8, 1, d).unbind(0)
     table = torch.tensor([[1], [0]], dtype=torch.int32)
     paged = flash_attn_varlen_func(qv, kc, vc, cq, ck, 5, 8, causal=True, block_table=table)
-    close(paged, varlen_attention_ref(qv, torch.cat([kc[1, :4], kc[0]]), torch.cat([vc[1, :4], vc[0]]), cq, ck, causal=True)[0])  # type: ignore[arg-type]
+    kp, vp = torch.cat([kc[1, :4], kc[0]]), torch.cat([vc[1, :4], vc[0]])  # the table's blocks, gathered
+    close(paged, varlen_attention_ref(qv, kp, vp, cq, ck, causal=True)[0])  # type: ignore[arg-type]
 
 
 @pytest.mark.usefixtures("triton_backend")
@@ -286,7 +293,9 @@ def test_argument_errors_are_runtime_and_value_errors_naming_the_argument() -> N
         "cu_seqlens_q": lambda: flash_attn_varlen_func(qv, kv, vv, cq.long(), ck, 8, 8),
         "block_table": lambda: flash_attn_varlen_func(qv, kc, kc, cq, ck, 8, 8, block_table=table.long()),
         "cu_seqlens_k": lambda: flash_attn_varlen_func(qv, kc, kc, cq, ck * 2, 8, 16, block_table=table),
-        "cache_batch_idx": lambda: flash_attn_with_kvcache(q, kc, kc, cache_batch_idx=torch.tensor([5]).int()),
+        "cache_batch_idx": lambda: flash_attn_with_kvcache(
+            q, kc, kc, cache_batch_idx=torch.tensor([5]).int()
+        ),
         "num_splits": lambda: flash_attn_with_kvcache(q, kc, kc, num_splits=-1),
         "qkv": lambda: flashpage.flash_attn_qkvpacked_func(q),
     }
@@ -294,13 +303,15 @@ def test_argument_errors_are_runtime_and_value_errors_naming_the_argument() -> N
         with pytest.raises(FlashAttnError, match=rf"^{name}: ") as info:
             call()
         assert isinstance(info.value, RuntimeError) and isinstance(info.value, ValueError), name
-    with pytest.raises(TypeError, match="^cu_seqlens_q: "):  # type errors stay TypeErrors too
+    with pytest.raises(TypeError, match=r"^cu_seqlens_q: "):  # type errors stay TypeErrors too
         flash_attn_varlen_func(qv, kv, vv, cq.long(), ck, 8, 8)
     assert flashpage.FlashAttnError is FlashAttnError
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_packed_variants_match_unpacked_and_grad_into_the_pack(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_variants_match_unpacked_and_grad_into_the_pack(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FLASHPAGE_BACKEND", backend)
     qkv = torch.randn(2, 7, 3, 2, 16, requires_grad=True)
     q, k, v = (t.detach().requires_grad_() for t in qkv.unbind(2))
@@ -326,23 +337,31 @@ def test_packed_variants_match_unpacked_and_grad_into_the_pack(backend: str, mon
     (g,) = torch.autograd.grad(out, qkv_p, do.reshape(14, 2, 16))
     close(g, dqkv.reshape(14, 3, 2, 16))
     kv_p = kv.detach().reshape(18, 2, 1, 16).requires_grad_()
-    out = flashpage.flash_attn_varlen_kvpacked_func(q.reshape(14, 2, 16), kv_p, cu, cu_k, 7, 9, window_size=(2, 2))
+    out = flashpage.flash_attn_varlen_kvpacked_func(
+        q.reshape(14, 2, 16), kv_p, cu, cu_k, 7, 9, window_size=(2, 2)
+    )
     close(out, ref.reshape(14, 2, 16))  # type: ignore[union-attr]
     dkv = torch.autograd.grad(out, kv_p, do.reshape(14, 2, 16))[0]
     close(dkv, dkv_ref.reshape(18, 2, 1, 16))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_paged_varlen_forward_on_grad_inputs_backward_raises(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_paged_varlen_forward_on_grad_inputs_backward_raises(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """As flash-attn: the forward runs on inputs that require grad; only a backward raises."""
     monkeypatch.setenv("FLASHPAGE_BACKEND", backend)
     qv, _, _, cq, ck = make_varlen([2, 6], [5, 3], 2, 1, 16)  # sequence 1: more queries than keys
     qv.requires_grad_()
     kc = torch.randn(3, 8, 1, 16, requires_grad=True)
     table = torch.tensor([[2], [0]], dtype=torch.int32)
-    out, lse, _ = flash_attn_varlen_func(qv, kc, kc, cq, ck, 6, 5, causal=True, block_table=table, return_attn_probs=True)
-    ref, ref_lse = varlen_attention_ref(qv, torch.cat([kc[2, :5], kc[0, :3]]), torch.cat([kc[2, :5], kc[0, :3]]), cq, ck, causal=True)
+    out, lse, _ = flash_attn_varlen_func(
+        qv, kc, kc, cq, ck, 6, 5, causal=True, block_table=table, return_attn_probs=True
+    )
+    ref, ref_lse = varlen_attention_ref(
+        qv, torch.cat([kc[2, :5], kc[0, :3]]), torch.cat([kc[2, :5], kc[0, :3]]), cq, ck, causal=True
+    )
     close(out, ref)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)) and bool(torch.isneginf(lse).any())
-    with pytest.raises(FlashAttnError, match="^block_table: .*no backward"):
+    with pytest.raises(FlashAttnError, match=r"^block_table: .*no backward"):
         out.sum().backward()

@@ -69,7 +69,9 @@ def _is_int(x: Any) -> bool:
 
 
 def _is_int_scalar_tensor(x: Any) -> bool:
-    return isinstance(x, Tensor) and x.numel() == 1 and not x.dtype.is_floating_point and x.dtype != torch.bool
+    return (
+        isinstance(x, Tensor) and x.numel() == 1 and not x.dtype.is_floating_point and x.dtype != torch.bool
+    )
 
 
 def window_pair(window_size: Any) -> tuple[int, int]:

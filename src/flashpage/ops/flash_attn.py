@@ -1,4 +1,10 @@
-"""Public FlashAttention API, drop-in for flash-attn 2.x: ``flash_attn_func``, ``flash_attn_varlen_func``.
+"""Public FlashAttention API, drop-in for flash-attn 2.x: ``flash_attn_func``, ``flash_attn_varlen_func``
+and the packed variants ``flash_attn_(varlen_)qkvpacked_func`` / ``flash_attn_(varlen_)kvpacked_func``.
+
+Head dims 8-256 (the kernels pad the head-dim block to a power of two, at least 32, and mask the
+padding). Argument errors are :class:`~flashpage.ops.flash_args.FlashAttnError` (a ``RuntimeError``,
+as flash-attn raises, and a ``ValueError``) naming the argument; ``window_size`` is any pair of ints,
+a 2-element tensor included.
 
 Backends (``FLASHPAGE_BACKEND``, read at every call via :func:`flashpage.ops.backend.resolve_backend`):
 
@@ -22,7 +28,8 @@ It is materialised by a separate kernel and is meant for tests at small sizes.
 
 ``flash_attn_varlen_func(..., block_table=...)`` (flash-attn >= 2.6) attends packed queries over a
 paged KV cache with the paged prefill kernel (:mod:`flashpage.ops.paged_prefill`; custom op
-``flashpage::paged_varlen_attention`` under ``torch.compile``), forward only.
+``flashpage::paged_varlen_attention`` under ``torch.compile``), forward only: as in flash-attn it runs
+on inputs that require grad and a backward through its output raises.
 
 ``flash_attn_varlen_fwd`` is the engine's no-autograd prefill entry (``(out, lse)``).
 """
@@ -39,8 +46,8 @@ from flashpage.ops.flash_args import FlashAttnError, flash_attn_errors, window_p
 from flashpage.ops.flash_bwd import flash_bwd
 from flashpage.ops.flash_fwd import AttnProblem, attention_probs, check_attention_inputs, flash_fwd
 from flashpage.ops.paged_decode import check_paged_cache, check_paged_values
-from flashpage.ops.paged_prefill import check_cu_seqlens, kv_attention_config, paged_prefill
 from flashpage.ops.paged_prefill import _check_cu_values as check_cu_values
+from flashpage.ops.paged_prefill import check_cu_seqlens, kv_attention_config, paged_prefill
 from flashpage.ops.reference import attention_ref, gather_paged_kv, varlen_attention_ref
 
 __all__ = [

@@ -662,7 +662,7 @@ def check_attention_inputs(
 
     Raises:
         TypeError: non-tensor inputs, unsupported or mismatched dtypes, non-int32 cu_seqlens.
-        ValueError: wrong ranks or shapes, nheads % nheads_k != 0, head dim outside [32, 256],
+        ValueError: wrong ranks or shapes, nheads % nheads_k != 0, head dim outside [8, 256],
             non-contiguous last dim, CPU tensors without ``TRITON_INTERPRET=1``, bad cu_seqlens,
             dropout_p outside [0, 1), negative softcap, bad alibi_slopes, bad window_size.
     """
