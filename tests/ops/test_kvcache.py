@@ -16,12 +16,6 @@ from tests.ops.test_paged_decode import make_paged_cache, on_device  # noqa: F40
 from tests.tolerance import assert_close_to_ref
 
 
-@pytest.fixture(autouse=True)
-def _triton_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests check the Triton kernels (the torch backend has its own agreement test)."""
-    monkeypatch.setenv("FLASHPAGE_BACKEND", "triton")
-
-
 def _rotary_tables(seqlen_ro: int, rotary_dim: int) -> tuple[Tensor, Tensor, Tensor]:
     half = rotary_dim // 2
     theta = torch.arange(seqlen_ro).float()[:, None] * 10000.0 ** (-torch.arange(half).float() / half)

@@ -248,8 +248,9 @@ def test_paged_varlen_errors(backend: str, monkeypatch: pytest.MonkeyPatch) -> N
     args = (q, kc, vc, cu, cu_k, 40, int(sl.max()))
     with pytest.raises(ValueError, match="dropout"):
         flash_attn_varlen_func(*args, dropout_p=0.1, block_table=bt)
-    with pytest.raises(ValueError, match="no backward"):
-        flash_attn_varlen_func(q.clone().requires_grad_(), *args[1:], block_table=bt)
+    out = flash_attn_varlen_func(q.clone().requires_grad_(), *args[1:], block_table=bt)  # forward runs
+    with pytest.raises(RuntimeError, match="no backward"):
+        out.sum().backward()  # type: ignore[union-attr]
     with pytest.raises(TypeError, match="cu_seqlens_k must be int32"):
         flash_attn_varlen_func(q, kc, vc, cu, cu_k.long(), 40, 64, block_table=bt)
     with pytest.raises(ValueError, match="block_table must be"):
