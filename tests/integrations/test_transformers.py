@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import flashpage.integrations.transformers as fp_hf
+from tests.ops.test_flash_fwd import on_device  # noqa: F401 (autouse fixture: tensors on the test device)
 from tests.tolerance import assert_close_to_ref
 
 _VOCAB = 96
@@ -31,33 +32,37 @@ def _config() -> LlamaConfig:
     )  # fmt: skip
 
 
-def _models(state: dict[str, Tensor] | None = None) -> dict[str, torch.nn.Module]:
-    """flashpage and sdpa models in float32 and an sdpa float64 reference, all with one set of weights."""
+def _models(device: str) -> dict[str, torch.nn.Module]:
+    """flashpage and sdpa models in float32 and an sdpa float64 reference, all with one set of
+    weights, on ``device`` (CUDA when present, else CPU, where the kernels run under the interpreter)."""
     torch.manual_seed(0)
     models = {
         "flashpage": AutoModelForCausalLM.from_config(_config(), attn_implementation="flashpage"),
         "sdpa": AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa"),
         "ref": AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa").double(),
     }
-    state = state or models["flashpage"].state_dict()
+    state = models["flashpage"].state_dict()
     for m in models.values():
         m.load_state_dict(state)
+        m.to(device)
     assert models["flashpage"].config._attn_implementation == "flashpage"
     return models
 
 
-def _padded_batch() -> tuple[Tensor, Tensor, Tensor]:
+def _padded_batch(device: str) -> tuple[Tensor, Tensor, Tensor]:
     """ids, attention mask (row 0 right-padded, row 1 left-padded) and labels (-100 on padding)."""
-    ids = torch.randint(0, _VOCAB, (3, 9))
-    mask = torch.ones(3, 9, dtype=torch.long)
+    ids = torch.randint(0, _VOCAB, (3, 9), device=device)
+    mask = torch.ones(3, 9, dtype=torch.long, device=device)
     mask[0, 6:] = 0
     mask[1, :4] = 0
     return ids, mask, ids.masked_fill(mask == 0, -100)
 
 
-def test_training_step_logits_and_grads_within_sdpa_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:
-    models = _models()
-    ids, mask, labels = _padded_batch()
+def test_training_step_logits_and_grads_within_sdpa_tolerance(
+    monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    models = _models(device)
+    ids, mask, labels = _padded_batch(device)
     res = {}
     for name, m in models.items():
         m.train()
@@ -78,13 +83,13 @@ def test_training_step_logits_and_grads_within_sdpa_tolerance(monkeypatch: pytes
         models["flashpage"](input_ids=ids, attention_mask=mask)
 
 
-def test_greedy_generation_from_pretrained_left_padded_matches_sdpa(tmp_path: Path) -> None:
-    models = _models()
+def test_greedy_generation_from_pretrained_left_padded_matches_sdpa(tmp_path: Path, device: str) -> None:
+    models = _models(device)
     models["sdpa"].save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="flashpage")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="flashpage").to(device)
     assert loaded.config._attn_implementation == "flashpage"
-    ids = torch.randint(0, _VOCAB, (2, 6))
-    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    ids = torch.randint(0, _VOCAB, (2, 6), device=device)
+    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]], device=device)
     kw = {"attention_mask": mask, "max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
         tokens = loaded.generate(ids, **kw)

@@ -1,5 +1,11 @@
 """``flashpage.flash_attn_with_kvcache``: flash-attn 2.x's KV-cache attention on the Triton kernels.
 
+Backends (``FLASHPAGE_BACKEND``): ``triton`` runs the cache-write and paged-attention kernels;
+``torch`` (``auto``'s choice for CPU tensors) writes the cache with indexing and attends through the
+float32 reference one sequence at a time (host reads of the lengths; meant for CPU and tests). Both
+take the same inputs and give the same cache, ``out`` and ``lse``. Like flash-attn's, the function
+is forward only (no autograd graph).
+
 Same signature, layouts and semantics as ``flash_attn.flash_attn_with_kvcache`` (DESIGN.md), with
 paged caches of any power-of-two block size from 8 to 256:
 
@@ -342,14 +348,16 @@ def _torch_cache_append(
     nearest even (``reshape_and_cache``'s quantisation)."""
     keep = slots >= 0
     idx = slots[keep]
-    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        new = x[keep]
-        if is_fp8_dtype(cache.dtype):
-            new = new.float() / scale[:, None] if scale is not None else new.float()
-            new = new.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-        cache.view(-1, *cache.shape[2:])[idx] = new.to(cache.dtype)
+    with torch.no_grad():  # as the kernel: the cache is state, not part of a graph
+        for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+            new = x[keep]
+            if is_fp8_dtype(cache.dtype):
+                new = new.float() / scale[:, None] if scale is not None else new.float()
+                new = new.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+            cache.view(-1, *cache.shape[2:])[idx] = new.to(cache.dtype)
 
 
+@torch.no_grad()  # forward only, as flash-attn's and the kernel's
 def _torch_cache_attention(
     q: Tensor,
     k_cache: Tensor,
