@@ -1,0 +1,130 @@
+"""Per-rank bodies of the ring-attention tests (run by :func:`tests.distributed.spawn.run_ranks`):
+every rank builds the same full problem, runs single-process flash attention on the whole sequence
+as the reference, runs ring / zigzag attention on its shard and reports max errors of its rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flashpage.distributed import (
+    ring_flash_attn_func,
+    ring_flash_attn_varlen_func,
+    varlen_split,
+    zigzag_ring_flash_attn_func,
+    zigzag_ring_flash_attn_varlen_func,
+    zigzag_split,
+)
+from flashpage.ops.flash_attn import flash_attn_func, flash_attn_varlen_func
+
+D = 32
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    diff = (a.float() - b.float()).abs()
+    return float("inf") if torch.isnan(diff).any() else float(diff.max())
+
+
+def _full(case: dict, world: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    g = torch.Generator().manual_seed(1234)
+    h, hk = case["nheads"], case["nheads_k"]
+    if case["varlen"]:
+        lens = [2 * world * m for m in (2, 3)]
+        total = sum(lens)
+        cu = torch.tensor([0, lens[0], total], dtype=torch.int32)
+        shapes = [(total, h, D), (total, hk, D), (total, hk, D), (total, h, D)]
+    else:
+        n = case.get("seqlen") or case["seqlen_per_rank"] * world
+        cu = None
+        shapes = [(2, n, h, D), (2, n, hk, D), (2, n, hk, D), (2, n, h, D)]
+    return [torch.randn(s, generator=g) for s in shapes], cu
+
+
+def _single(
+    case: dict, qkv: list[torch.Tensor], dout: torch.Tensor, cu: torch.Tensor | None
+) -> list[torch.Tensor]:
+    """Single-process flash attention on the full sequence: [out, dq, dk, dv]."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in qkv)
+    kw = {"softmax_scale": case["scale"], "causal": case["causal"], "window_size": tuple(case["window"])}
+    if cu is not None:
+        m = int((cu[1:] - cu[:-1]).max())
+        out = flash_attn_varlen_func(q, k, v, cu, cu, m, m, **kw)
+    else:
+        out = flash_attn_func(q, k, v, **kw)
+    out.backward(dout)
+    return [out.detach(), q.grad, k.grad, v.grad]  # type: ignore[list-item]
+
+
+def _ring(
+    case: dict, rank: int, world: int, qkv: list[torch.Tensor], dout: torch.Tensor, cu: torch.Tensor | None
+):
+    zig = case["layout"] == "zigzag"
+    kw = {"softmax_scale": case["scale"], "causal": case["causal"], "window_size": tuple(case["window"])}
+    if cu is not None:
+        shards = [varlen_split(t, cu, rank, world, zigzag=zig) for t in (*qkv, dout)]
+        local_cu = shards[0][1]
+        q, k, v = (s[0].clone().requires_grad_() for s in shards[:3])
+        fn = zigzag_ring_flash_attn_varlen_func if zig else ring_flash_attn_varlen_func
+        m = int((local_cu[1:] - local_cu[:-1]).max())
+        out = fn(q, k, v, local_cu, m, **kw)
+        out.backward(shards[3][0])
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    def split(t: torch.Tensor) -> torch.Tensor:
+        return zigzag_split(t, rank, world) if zig else t.chunk(world, dim=1)[rank]
+
+    q, k, v = (split(t).clone().requires_grad_() for t in qkv)
+    fn = zigzag_ring_flash_attn_func if zig else ring_flash_attn_func
+    out = fn(q, k, v, **kw)
+    out.backward(split(dout))
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def _shard(case: dict, t: torch.Tensor, rank: int, world: int, cu: torch.Tensor | None) -> torch.Tensor:
+    zig = case["layout"] == "zigzag"
+    if cu is not None:
+        return varlen_split(t, cu, rank, world, zigzag=zig)[0]
+    return zigzag_split(t, rank, world) if zig else t.chunk(world, dim=1)[rank]
+
+
+NAMES = ("out", "dq", "dk", "dv")
+
+
+def attention_worker(rank: int, world: int, cases: list[dict]) -> dict[str, Any]:
+    """``{case name: {"ring": {out, dq, dk, dv errors}, "single": {...}}}``: errors against the
+    float32 single-process result; "single" is the single-process run in the case's dtype."""
+    results: dict[str, Any] = {}
+    for case in cases:
+        dtype = getattr(torch, case["dtype"])
+        full, cu = _full(case, world)
+        low = [t.to(dtype) for t in full]
+        ref = _single(case, [t.float() for t in low[:3]], low[3].float(), cu)
+        ring = _ring(case, rank, world, low[:3], low[3], cu)
+        entry = {"ring": {n: _err(r, _shard(case, f, rank, world, cu)) for n, r, f in zip(NAMES, ring, ref)}}
+        if dtype != torch.float32:
+            single = _single(case, low[:3], low[3], cu)
+            entry["single"] = {n: _err(s, f) for n, s, f in zip(NAMES, single, ref)}
+            entry["dtype_ok"] = all(r.dtype == dtype for r in ring)
+        results[case["name"]] = entry
+    results["errors"] = _misuse_errors()
+    return results
+
+
+def _misuse_errors() -> dict[str, str]:
+    """Messages of the errors a misuse raises inside an initialised group."""
+    msgs = {}
+    q = torch.randn(1, 3, 2, D)
+    try:
+        zigzag_ring_flash_attn_func(q, q, q, causal=True)
+    except ValueError as e:
+        msgs["zigzag_odd"] = str(e)
+    try:
+        ring_flash_attn_func(q, q[:, :2], q[:, :2])
+    except ValueError as e:
+        msgs["shape"] = str(e)
+    try:
+        ring_flash_attn_func(q, q, q, window_size=(-2, 0))
+    except ValueError as e:
+        msgs["window"] = str(e)
+    return msgs
