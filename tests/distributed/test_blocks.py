@@ -72,3 +72,24 @@ def test_merge_and_block_backward_match_reference() -> None:
         torch.testing.assert_close(bk, ref_k.grad[:, sl], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(bv, ref_v.grad[:, sl], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dq, ref_q.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [(2, 1), (-1, 0)])
+def test_triton_blocks_match_torch_blocks(monkeypatch: pytest.MonkeyPatch, window: tuple[int, int]) -> None:
+    """The GPU path (Triton kernels, here under the interpreter) takes the same local windows."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (
+        torch.randn(1, 5, 2, 32, generator=g),
+        torch.randn(1, 7, 1, 32, generator=g),
+        torch.randn(1, 7, 1, 32, generator=g),
+    )
+    dout = torch.randn(1, 5, 2, 32, generator=g)
+    want_o, want_l = block_forward(q, k, v, 0.3, window, 0.0, 0)
+    want_g = block_backward(dout, q, k, v, want_o, want_l, 0.3, window, 0.0, 0)
+    monkeypatch.setenv("FLASHPAGE_BACKEND", "triton")
+    got_o, got_l = block_forward(q, k, v, 0.3, window, 0.0, 0)
+    torch.testing.assert_close(got_o.float(), want_o, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_l, want_l, atol=1e-4, rtol=1e-4)
+    got_g = block_backward(dout, q, k, v, want_o, want_l, 0.3, window, 0.0, 0)
+    for name, a, b in zip(("dq", "dk", "dv"), got_g, want_g, strict=True):
+        torch.testing.assert_close(a.float(), b, atol=1e-4, rtol=1e-4, msg=name)

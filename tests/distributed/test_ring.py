@@ -43,9 +43,10 @@ BF16 = [_case("bf16", layout, dtype="bfloat16", causal=True, seqlen=32) for layo
 def _results(world: int) -> dict:
     ranks = run_ranks(attention_worker, world, CASES + BF16, timeout=180)
     merged: dict = {}
-    merged["errors"] = ranks[0].pop("errors")
+    merged["errors"], merged["dropout"] = ranks[0].pop("errors"), ranks[0].pop("dropout")
     for r in ranks:
         r.pop("errors", None)
+        r.pop("dropout", None)
         for name, entry in r.items():
             m = merged.setdefault(name, {"ring": {}, "single": {}, "dtype_ok": True})
             for kind in ("ring", "single"):
@@ -85,6 +86,17 @@ def test_misuse_errors_name_the_argument() -> None:
     assert msgs["zigzag_odd"].startswith("q:") and "2 * world_size = 4" in msgs["zigzag_odd"]
     assert msgs["shape"].startswith("k:")
     assert msgs["window"].startswith("window_size:")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dropout_gradients_match_finite_differences(world: int) -> None:
+    d = _results(world)["dropout"]
+    assert d["changed"] > 1e-3, "dropout_p=0.3 left the output unchanged"
+    for x in ("q", "k"):
+        fd, an = d[f"fd_{x}"], d[f"an_{x}"]
+        assert abs(fd - an) <= 1e-2 * max(1.0, abs(an)), (
+            f"d{x}: finite difference {fd:.5f} != gradient {an:.5f}"
+        )
 
 
 def test_no_process_group() -> None:

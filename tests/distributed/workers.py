@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from flashpage.distributed import (
     ring_flash_attn_func,
@@ -108,6 +109,7 @@ def attention_worker(rank: int, world: int, cases: list[dict]) -> dict[str, Any]
             entry["dtype_ok"] = all(r.dtype == dtype for r in ring)
         results[case["name"]] = entry
     results["errors"] = _misuse_errors()
+    results["dropout"] = _dropout_check(rank, world)
     return results
 
 
@@ -128,3 +130,34 @@ def _misuse_errors() -> dict[str, str]:
     except ValueError as e:
         msgs["window"] = str(e)
     return msgs
+
+
+def _dropout_check(rank: int, world: int) -> dict[str, float]:
+    """With dropout, the gradients match central differences of the global loss (the dropout
+    masks are reproduced from the reseeded generator) and dropout changes the output."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v, w, uq, uk = (
+        torch.randn(1, 4 * world, 2, D, generator=g).chunk(world, dim=1)[rank] for _ in range(6)
+    )
+
+    def loss(qq: torch.Tensor, kk: torch.Tensor, p: float = 0.3) -> torch.Tensor:
+        torch.manual_seed(5)
+        return (ring_flash_attn_func(qq, kk, v, dropout_p=p, causal=True) * w).sum()
+
+    def total(t: torch.Tensor) -> float:
+        t = t.detach().clone()
+        dist.all_reduce(t)
+        return float(t)
+
+    qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+    loss(qq, kk).backward()
+    eps = 1e-2
+    fd_q = total(loss(q + eps * uq, k) - loss(q - eps * uq, k)) / (2 * eps)
+    fd_k = total(loss(q, k + eps * uk) - loss(q, k - eps * uk)) / (2 * eps)
+    return {
+        "fd_q": fd_q,
+        "an_q": total((qq.grad * uq).sum()),
+        "fd_k": fd_k,
+        "an_k": total((kk.grad * uk).sum()),
+        "changed": total((loss(q, k) - loss(q, k, 0.0)).abs()),
+    }
