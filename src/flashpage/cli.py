@@ -77,6 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--plot", metavar="FILE.png", default=None, help="also draw the roofline with the ops to this PNG"
     )
+    r.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        help="also model N GPUs: ring attention's K/V transfer vs compute per step and the tensor-parallel "
+        "all-reduce share of a decode step, with warnings when communication-bound",
+    )
+    r.add_argument(
+        "--link",
+        default="nvlink4",
+        help="link between the GPUs with --world: nvlink4, pcie5, ib-ndr, ib-hdr, roce-400g, roce-200g, tcp, "
+        "or a profile JSON from 'flashpage netprobe --save-profile' (default: nvlink4)",
+    )
 
     p = sub.add_parser(
         "probe",
@@ -120,10 +133,20 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
     shape = get_model_shape(args.model)
     profile = load_profile(args.hardware) if args.hardware else detect_profile()
     report = build_report(shape, profile, batch=args.batch, seq=args.seq, chunk=args.chunk, dtype=args.dtype)
+    dist = None
+    if args.world is not None:
+        from flashpage.roofline.comm import distributed_json, format_distributed
+        from flashpage.roofline.links import load_link
+
+        dist = distributed_json(
+            shape, profile, load_link(args.link), world=args.world, batch=args.batch, seq=args.seq, dtype=args.dtype
+        )
     if args.json:
-        print(json.dumps(report_json(report), indent=1))
+        for w in dist["warnings"] if dist else ():  # the table prints them itself
+            print(f"flashpage roofline: warning: {w}", file=sys.stderr)
+        print(json.dumps({**report_json(report), **({"distributed": dist} if dist else {})}, indent=1))
     else:
-        print(format_table(report), end="")
+        print(format_table(report) + (format_distributed(dist) if dist else ""), end="")
     if args.plot:
         out = plot_roofline(report, args.plot)
         print(f"roofline plot written to {out}", file=sys.stderr if args.json else sys.stdout)
