@@ -139,7 +139,13 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
         from flashpage.roofline.links import load_link
 
         dist = distributed_json(
-            shape, profile, load_link(args.link), world=args.world, batch=args.batch, seq=args.seq, dtype=args.dtype
+            shape,
+            profile,
+            load_link(args.link),
+            world=args.world,
+            batch=args.batch,
+            seq=args.seq,
+            dtype=args.dtype,
         )
     if args.json:
         for w in dist["warnings"] if dist else ():  # the table prints them itself
