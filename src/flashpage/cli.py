@@ -13,6 +13,8 @@ Every subcommand imports its machinery inside its handler, so ``flashpage --help
   embedded model (``--help`` lists its options).
 - ``flashpage bench {attention,decode,throughput,all} [--out DIR] [--quick] [ARGS...]``: runs
   ``flashpage.bench.<name>.main(argv)`` with the remaining arguments.
+- ``flashpage netprobe [--sizes 8,1K,..] [--iters N] [--backend nccl|gloo] [--json] [--save-profile FILE]``
+  (under ``torchrun``): collective latency / bus bandwidth, NCCL's transport per peer, an RDMA verdict.
 - ``flashpage bench table FILE.json...``: rebuild the ``benchmarks/README.md`` table of result files
   (e.g. JSON a GPU run wrote under ``--out``).
 
@@ -111,6 +113,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.set_defaults(forward=True)
 
+    n = sub.add_parser(
+        "netprobe",
+        help="collective latency / bus bandwidth, NCCL transport per peer, RDMA verdict (run under torchrun)",
+        description="Under torchrun (torchrun --nproc-per-node N -m flashpage.cli netprobe): time all-reduce, "
+        "all-gather and send/recv per message size with nccl-tests' bus-bandwidth factors, parse the transport "
+        "NCCL chose per peer from its NCCL_DEBUG=INFO output, and say whether RDMA (GPUDirect) is in use.",
+    )
+    n.add_argument(
+        "--sizes",
+        default="8,1K,64K,1M,16M,128M",
+        help="message sizes in bytes, comma separated, K/M/G suffixes (default: 8,1K,64K,1M,16M,128M)",
+    )
+    n.add_argument("--iters", type=int, default=20, help="timed runs per size (default: 20)")
+    n.add_argument("--warmup", type=int, default=5, help="untimed runs per size (default: 5)")
+    n.add_argument(
+        "--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with CUDA, else gloo"
+    )
+    n.add_argument("--json", action="store_true", help="print one JSON object (rank 0)")
+    n.add_argument(
+        "--save-profile",
+        metavar="FILE",
+        default=None,
+        help="write a link profile (send/recv bandwidth and latency) for 'flashpage roofline --link FILE'",
+    )
+
     b = sub.add_parser(
         "bench",
         help="run a benchmark (GPU)",
@@ -173,6 +200,31 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_sizes(text: str) -> list[int]:
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for item in text.split(","):
+        item = item.strip().upper()
+        try:
+            sizes.append(int(item[:-1]) * mult[item[-1]] if item[-1:] in mult else int(item))
+        except ValueError:
+            raise ValueError(f"--sizes: {item!r} is not a byte count like 8, 64K or 16M") from None
+    return sizes
+
+
+def _cmd_netprobe(args: argparse.Namespace) -> int:
+    from flashpage.distributed.netprobe import main as netprobe_main
+
+    return netprobe_main(
+        sizes=_parse_sizes(args.sizes),
+        iters=args.iters,
+        warmup=args.warmup,
+        backend=args.backend,
+        as_json=args.json,
+        save_profile=args.save_profile,
+    )
+
+
 def _cmd_demo(extra: list[str]) -> int:
     from flashpage.engine.demo import main as demo_main
 
@@ -228,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         return _cmd_bench(args, extra)
     try:
+        if args.command == "netprobe":
+            return _cmd_netprobe(args)
         return _cmd_roofline(args) if args.command == "roofline" else _cmd_probe(args)
     except ValueError as e:  # bad names, malformed profile files, bad sizes: one clear line, no traceback
         print(f"flashpage {args.command}: error: {e}", file=sys.stderr)
