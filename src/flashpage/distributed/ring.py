@@ -144,18 +144,54 @@ def ring_layout(seqlens: Sequence[int], starts: Sequence[int]) -> Layout:
 
 def _tasks(layout: Layout, rank: int, src: int, causal: bool, window: tuple[int, int]) -> list[_Task]:
     """The exact local calls between this rank's queries and rank ``src``'s keys."""
-    keys: dict[int, list[Segment]] = {}
+    by_seq: dict[int, tuple[list[Segment], list[Segment]]] = {}
+    for seg in layout(rank):
+        by_seq.setdefault(seg.seq, ([], []))[0].append(seg)
     for seg in layout(src):
-        keys.setdefault(seg.seq, []).append(seg)
+        by_seq.setdefault(seg.seq, ([], []))[1].append(seg)
     tasks = []
-    for qs in layout(rank):
-        for ks in keys.get(qs.seq, ()):
-            blk = plan_block(qs.global_start, qs.length, ks.global_start, ks.length, causal, window)
-            if blk is not None:
-                q = slice(qs.local_start + blk.q_lo, qs.local_start + blk.q_hi)
-                k = slice(ks.local_start + blk.k_lo, ks.local_start + blk.k_hi)
-                tasks.append(_Task(q, k, blk.window))
-    return tasks
+    for q_segs, k_segs in by_seq.values():
+        own = _diagonal(q_segs) if src == rank and causal and window[0] < 0 else None
+        if own is not None:
+            tasks.append(_Task(own, own, (-1, 0)))
+            continue
+        for qs in q_segs:
+            for ks in k_segs:
+                blk = plan_block(qs.global_start, qs.length, ks.global_start, ks.length, causal, window)
+                if blk is not None:
+                    q = slice(qs.local_start + blk.q_lo, qs.local_start + blk.q_hi)
+                    k = slice(ks.local_start + blk.k_lo, ks.local_start + blk.k_hi)
+                    tasks.append(_Task(q, k, blk.window))
+    return _coalesce(tasks)
+
+
+def _diagonal(segs: list[Segment]) -> slice | None:
+    """A rank's own causal block as one local causal call, when its segments of a sequence are
+    contiguous locally and in increasing global order (then local order is global order, and the
+    local causal mask is the global one: zigzag's first step is one launch, not three)."""
+    segs = sorted(segs, key=lambda s: s.local_start)
+    for a, b in itertools.pairwise(segs):
+        if a.local_start + a.length != b.local_start or a.global_start + a.length > b.global_start:
+            return None
+    return slice(segs[0].local_start, segs[-1].local_start + segs[-1].length) if segs else None
+
+
+def _coalesce(tasks: list[_Task]) -> list[_Task]:
+    """Fuse full (unmasked) blocks that share their keys and have adjacent query rows, or share
+    their queries and have adjacent keys, into one larger call (zigzag's off-diagonal steps: one
+    kernel launch instead of two)."""
+    out: list[_Task] = []
+    for t in tasks:
+        prev = out[-1] if out else None
+        if prev is not None and prev.window == t.window == (-1, -1):
+            if prev.k == t.k and prev.q.stop == t.q.start:
+                out[-1] = _Task(slice(prev.q.start, t.q.stop), t.k, t.window)
+                continue
+            if prev.q == t.q and prev.k.stop == t.k.start:
+                out[-1] = _Task(t.q, slice(prev.k.start, t.k.stop), t.window)
+                continue
+        out.append(t)
+    return out
 
 
 def _block_seed(seed: int, rank: int, world: int, step: int, index: int) -> int:
