@@ -400,12 +400,42 @@ def ring_flash_attn_varlen_func(
     Returns:
         ``out (total, nheads, d)`` (rows past ``cu_seqlens[-1]`` are zeros).
     """
+    return varlen_attention(
+        q, k, v, cu_seqlens, max_seqlen, lambda lens, starts, _world: ring_layout(lens, starts), dropout_p,
+        softmax_scale, causal, window_size, group,
+    )  # fmt: skip
+
+
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    make_layout: Callable[[list[int], list[int], int], Layout],
+    dropout_p: float,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: Sequence[int],
+    group: dist.ProcessGroup | None,
+) -> Tensor:
+    """The varlen entry points' shared body: checks, then :func:`ring_attention` on the packed
+    tensors as one batch row, with ``make_layout(local lengths, local starts, world)``."""
     _check_qkv(q, k, v, packed=True)
+    world = check_group(group)[1]
     lens, starts = local_seqlens(cu_seqlens, q.shape[0])
     if max(lens) > int(max_seqlen):
         raise ValueError(f"max_seqlen: {max_seqlen} < the longest local sequence ({max(lens)})")
+    layout = make_layout(lens, starts, world)
     out = ring_attention(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), ring_layout(lens, starts), dropout_p, softmax_scale,
-        causal, window_size, group,
-    )  # fmt: skip
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        layout,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        group,
+    )
     return out.squeeze(0)

@@ -21,6 +21,7 @@ from flashpage.distributed.ring import (
     check_group,
     local_seqlens,
     ring_attention,
+    varlen_attention,
 )
 
 __all__ = [
@@ -137,22 +138,29 @@ def zigzag_ring_flash_attn_varlen_func(
     """Zigzag ring attention on packed sequences: every sequence in its own zigzag layout
     (``varlen_split(..., zigzag=True)``); ``cu_seqlens`` holds the local (even) lengths.
     Arguments and result as :func:`flashpage.distributed.ring_flash_attn_varlen_func`."""
-    _check_qkv(q, k, v, packed=True)
-    world = check_group(group)[1]
-    lens, starts = local_seqlens(cu_seqlens, q.shape[0])
-    if max(lens) > int(max_seqlen):
-        raise ValueError(f"max_seqlen: {max_seqlen} < the longest local sequence ({max(lens)})")
+    return varlen_attention(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        _even_zigzag_layout,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        group,
+    )
+
+
+def _even_zigzag_layout(lens: list[int], starts: list[int], world: int) -> Layout:
     odd = [i for i, n in enumerate(lens) if n % 2]
     if odd:
         raise ValueError(
             f"cu_seqlens: local lengths of sequences {odd} are odd: every global length must divide by "
             f"2 * world_size = {2 * world}"
         )
-    out = ring_attention(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), zigzag_layout(lens, starts, world), dropout_p,
-        softmax_scale, causal, window_size, group,
-    )  # fmt: skip
-    return out.squeeze(0)
+    return zigzag_layout(lens, starts, world)
 
 
 def varlen_split(
