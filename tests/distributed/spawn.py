@@ -22,9 +22,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, fn: Callable[..., dict], world: int, port: int, outdir: str, arg: Any) -> None:
+def _entry(
+    rank: int, fn: Callable[..., dict], world: int, port: int, outdir: str, arg: Any, backend: str
+) -> None:
     torch.set_num_threads(1)  # tiny problems: threads only add contention on a shared machine
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         result = fn(rank, world, arg)
         dist.barrier()
@@ -34,15 +38,22 @@ def _entry(rank: int, fn: Callable[..., dict], world: int, port: int, outdir: st
         json.dump(result, f)
 
 
-def run_ranks(fn: Callable[..., dict], world: int, arg: Any = None, timeout: float = 120.0) -> list[dict]:
-    """``[fn(rank, world, arg) for each rank]``, run in ``world`` processes with a gloo group.
+def run_ranks(
+    fn: Callable[..., dict], world: int, arg: Any = None, timeout: float = 120.0, backend: str = "gloo"
+) -> list[dict]:
+    """``[fn(rank, world, arg) for each rank]``, run in ``world`` processes with a ``backend`` group
+    (``nccl``: rank ``r`` on GPU ``r``).
 
     Raises:
         TimeoutError: the ranks did not finish within ``timeout`` seconds (they are killed).
     """
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
-            _entry, args=(fn, world, free_port(), outdir, arg), nprocs=world, join=False, start_method="spawn"
+            _entry,
+            args=(fn, world, free_port(), outdir, arg, backend),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
         )
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

@@ -94,22 +94,27 @@ NAMES = ("out", "dq", "dk", "dv")
 
 def attention_worker(rank: int, world: int, cases: list[dict]) -> dict[str, Any]:
     """``{case name: {"ring": {out, dq, dk, dv errors}, "single": {...}}}``: errors against the
-    float32 single-process result; "single" is the single-process run in the case's dtype."""
+    float32 single-process result (the PyTorch reference on CPU); "single" is the single-process run
+    in the case's dtype. Ring and "single" run on the GPU under NCCL, else on CPU."""
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     results: dict[str, Any] = {}
     for case in cases:
         dtype = getattr(torch, case["dtype"])
         full, cu = _full(case, world)
         low = [t.to(dtype) for t in full]
         ref = _single(case, [t.float() for t in low[:3]], low[3].float(), cu)
-        ring = _ring(case, rank, world, low[:3], low[3], cu)
+        dev = [t.to(device) for t in low]
+        dev_cu = cu.to(device) if cu is not None else None
+        ring = [t.cpu() for t in _ring(case, rank, world, dev[:3], dev[3], dev_cu)]
         entry = {"ring": {n: _err(r, _shard(case, f, rank, world, cu)) for n, r, f in zip(NAMES, ring, ref)}}
         if dtype != torch.float32:
-            single = _single(case, low[:3], low[3], cu)
-            entry["single"] = {n: _err(s, f) for n, s, f in zip(NAMES, single, ref)}
+            single = _single(case, dev[:3], dev[3], dev_cu)
+            entry["single"] = {n: _err(s.cpu(), f) for n, s, f in zip(NAMES, single, ref)}
             entry["dtype_ok"] = all(r.dtype == dtype for r in ring)
         results[case["name"]] = entry
-    results["errors"] = _misuse_errors()
-    results["dropout"] = _dropout_check(rank, world)
+    if device.type == "cpu":
+        results["errors"] = _misuse_errors()
+        results["dropout"] = _dropout_check(rank, world)
     return results
 
 

@@ -184,7 +184,7 @@ def varlen_split(
         seq = x[s : s + n]
         pieces.append(zigzag_split(seq, rank, world_size, dim=0) if zigzag else seq.chunk(world_size)[rank])
     local = torch.tensor([0] + [n // world_size for n in lens], dtype=torch.int32).cumsum(0)
-    return torch.cat(pieces), local.to(torch.int32)
+    return torch.cat(pieces), local.to(device=cu_seqlens.device, dtype=torch.int32)
 
 
 def varlen_merge(shards: Sequence[Tensor], cu_seqlens: Tensor, zigzag: bool = False) -> Tensor:
