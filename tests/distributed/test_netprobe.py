@@ -155,3 +155,11 @@ def test_cli_netprobe_needs_torchrun(
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert main(["netprobe", "--sizes", "8,lots"]) == 2
     assert "--sizes: 'LOTS'" in capsys.readouterr().err
+
+
+def test_cli_netprobe_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["netprobe", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--save-profile" in out and "torchrun" in out

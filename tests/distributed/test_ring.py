@@ -68,7 +68,10 @@ def _assert_tolerance(entry: dict, what: str) -> None:
         assert e <= bound, f"{what}: {k} error {e:.3e} > {bound:.3e}"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name", [c["name"] for c in CASES])
 def test_ring_matches_single_process(world: int, name: str) -> None:
     errs = _results(world)[name]["ring"]
@@ -77,6 +80,7 @@ def test_ring_matches_single_process(world: int, name: str) -> None:
         assert e <= 5e-5, f"{name} world={world}: {k} max error {e:.3e}"
 
 
+@pytest.mark.slow
 def test_bf16_error_does_not_grow_with_world_size() -> None:
     """Partials and LSE are merged in fp32: each world size meets flash-attn's tolerance rule
     against the fp32 single-process result, and world 4 is no worse than world 2."""
@@ -96,7 +100,7 @@ def test_misuse_errors_name_the_argument() -> None:
     assert msgs["window"].startswith("window_size:")
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", WORLDS)
 def test_dropout_gradients_match_finite_differences(world: int) -> None:
     d = _results(world)["dropout"]
     assert d["changed"] > 1e-3, "dropout_p=0.3 left the output unchanged"
@@ -137,6 +141,7 @@ GPU_CASES = [
 ]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL, Triton kernels)")
 def test_ring_nccl_gpu() -> None:
     """The GPU path: NCCL, the side communication stream and the Triton kernels, bf16."""
