@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from flashpage.cli import main
 from flashpage.distributed.netprobe import busbw_factor, link_from_rows, parse_nccl_log, run_probe, verdict
@@ -102,7 +103,11 @@ def test_busbw_factors() -> None:
 
 
 def _probe(rank: int, world: int, _arg: object) -> dict:
-    return {"rows": run_probe([8, 4096], iters=2, warmup=1)}
+    solo = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
+    return {
+        "rows": run_probe([8, 4096], iters=2, warmup=1),
+        "solo": run_probe([8], iters=1, warmup=0, group=solo),
+    }
 
 
 def test_run_probe_gloo() -> None:
@@ -117,6 +122,12 @@ def test_run_probe_gloo() -> None:
         assert r["algbw_gbps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * busbw_factor(r["op"], 2))
     assert [r["time_us"] for r in ranks[1]["rows"]] == [r["time_us"] for r in rows]  # slowest rank's, on all
+    assert [(r["op"], r["busbw_gbps"]) for r in ranks[0]["solo"]] == [
+        ("all_reduce", 0.0),
+        ("all_gather", 0.0),
+    ]
+    with pytest.raises(ValueError, match="x: no sendrecv rows"):
+        link_from_rows(ranks[0]["solo"], "x")
     bw, lat = link_from_rows(rows, "x")
     assert bw == rows[5]["busbw_gbps"] * 1e9 and lat == rows[2]["time_us"] * 1e-6
 

@@ -207,11 +207,14 @@ def _ops(nbytes: int, world: int, rank: int, device: torch.device, group: Any) -
         for req in dist.batch_isend_irecv(ops):
             req.wait()
 
-    return {
+    ops = {
         "all_reduce": (lambda: dist.all_reduce(buf, group=group), n * 4),
         "all_gather": (lambda: dist.all_gather_into_tensor(gathered, piece, group=group), per * world * 4),
         "sendrecv": (sendrecv, n * 4),
     }
+    if world == 1:  # no peer to send to: the collectives still time the local path
+        del ops["sendrecv"]
+    return ops
 
 
 def run_probe(
@@ -224,7 +227,8 @@ def run_probe(
 ) -> list[dict[str, Any]]:
     """Time every collective at every message size (bytes) on the initialised process group.
 
-    Returns rows ``{op, bytes, time_us, algbw_gbps, busbw_gbps}`` (the same on every rank).
+    Returns rows ``{op, bytes, time_us, algbw_gbps, busbw_gbps}`` (the same on every rank); a
+    group of one rank has no send/recv rows (and bus bandwidth 0: nothing crosses a link).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("group: no torch.distributed process group is initialized (run under torchrun)")
@@ -266,13 +270,16 @@ def link_from_rows(rows: list[dict[str, Any]], name: str) -> tuple[float, float]
 
 
 def capture_nccl_debug() -> str | None:
-    """Point NCCL's INFO output at a fresh directory (before NCCL initialises); returns the
-    directory, or None when the user already set ``NCCL_DEBUG_FILE`` (then nothing is parsed)."""
+    """Point NCCL's INFO output at a fresh directory (before NCCL initialises; sets ``NCCL_DEBUG``
+    and ``NCCL_DEBUG_SUBSYS``); returns the directory, or None when the user already set
+    ``NCCL_DEBUG_FILE`` (then nothing is parsed)."""
     if "NCCL_DEBUG_FILE" in os.environ:
         return None
     d = tempfile.mkdtemp(prefix="flashpage-netprobe-")
-    os.environ.setdefault("NCCL_DEBUG", "INFO")
-    os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
+    # The output goes to our file, not the console, so the level and subsystems are ours to pick:
+    # the transport lines are INFO messages of the INIT and NET subsystems.
+    os.environ["NCCL_DEBUG"] = "INFO"
+    os.environ["NCCL_DEBUG_SUBSYS"] = "INIT,NET"
     os.environ["NCCL_DEBUG_FILE"] = os.path.join(d, "nccl.%h.%p.log")
     return d
 
