@@ -47,6 +47,11 @@ def _merge(ranks: list[dict]) -> dict:
             if name in ("errors", "dropout"):
                 merged.setdefault(name, entry)
                 continue
+            if name == "subgroup":
+                sub = merged.setdefault(name, {})
+                for k, v in entry.items():
+                    sub[k] = max(sub.get(k, 0.0), v)
+                continue
             m = merged.setdefault(name, {"ring": {}, "single": {}, "dtype_ok": True})
             for kind in ("ring", "single"):
                 for k, v in entry.get(kind, {}).items():
@@ -98,6 +103,15 @@ def test_misuse_errors_name_the_argument() -> None:
     assert msgs["zigzag_odd"].startswith("q:") and "2 * world_size = 4" in msgs["zigzag_odd"]
     assert msgs["shape"].startswith("k:")
     assert msgs["window"].startswith("window_size:")
+
+
+@pytest.mark.slow
+def test_process_subgroup() -> None:
+    """``group=``: ring attention on two 2-rank subgroups of a world of 4 (group rank != global rank)."""
+    errs = _results(4)["subgroup"]
+    assert set(errs) == {"out", "dq", "dk", "dv"}
+    for k, e in errs.items():
+        assert e <= 5e-5, f"subgroup: {k} max error {e:.3e}"
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -58,10 +58,18 @@ def _single(
 
 
 def _ring(
-    case: dict, rank: int, world: int, qkv: list[torch.Tensor], dout: torch.Tensor, cu: torch.Tensor | None
+    case: dict,
+    rank: int,
+    world: int,
+    qkv: list[torch.Tensor],
+    dout: torch.Tensor,
+    cu: torch.Tensor | None,
+    group: dist.ProcessGroup | None = None,
 ):
+    """Ring / zigzag attention of this rank's shard (``rank``/``world`` within ``group``)."""
     zig = case["layout"] == "zigzag"
     kw = {"softmax_scale": case["scale"], "causal": case["causal"], "window_size": tuple(case["window"])}
+    kw["group"] = group
     if cu is not None:
         shards = [varlen_split(t, cu, rank, world, zigzag=zig) for t in (*qkv, dout)]
         local_cu = shards[0][1]
@@ -112,10 +120,23 @@ def attention_worker(rank: int, world: int, cases: list[dict]) -> dict[str, Any]
             entry["single"] = {n: _err(s.cpu(), f) for n, s, f in zip(NAMES, single, ref)}
             entry["dtype_ok"] = all(r.dtype == dtype for r in ring)
         results[case["name"]] = entry
+    if device.type == "cpu" and world == 4:
+        results["subgroup"] = _subgroup_check(rank, cases[1])
     if device.type == "cpu":
         results["errors"] = _misuse_errors()
         results["dropout"] = _dropout_check(rank, world)
     return results
+
+
+def _subgroup_check(rank: int, case: dict) -> dict[str, float]:
+    """Ring attention over the groups {0, 2} and {1, 3} of a world of 4, where group ranks differ
+    from global ranks: errors of this rank's rows against the full-sequence result."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
+    group, grank = groups[rank % 2], rank // 2
+    (q, k, v, dout), cu = _full(case, 2)
+    ref = _single(case, [q, k, v], dout, cu)
+    ring = _ring(case, grank, 2, [q, k, v], dout, cu, group)
+    return {n: _err(r, _shard(case, f, grank, 2, cu)) for n, r, f in zip(NAMES, ring, ref)}
 
 
 def _misuse_errors() -> dict[str, str]:
