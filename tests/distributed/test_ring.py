@@ -60,9 +60,15 @@ def _merge(ranks: list[dict]) -> dict:
     return merged
 
 
+# The GPU path's block calls (Triton kernels, here under the interpreter) through a whole ring.
+TRITON = [_case("triton", "zigzag", causal=True, window=[5, -1], backend="triton", seqlen_per_rank=8)]
+
+
 @functools.cache
 def _results(world: int) -> dict:
-    return _merge(run_ranks(attention_worker, world, CASES + BF16, timeout=180))
+    return _merge(
+        run_ranks(attention_worker, world, CASES + BF16 + (TRITON if world == 2 else []), timeout=300)
+    )
 
 
 def _assert_tolerance(entry: dict, what: str) -> None:
@@ -83,6 +89,12 @@ def test_ring_matches_single_process(world: int, name: str) -> None:
     assert set(errs) == {"out", "dq", "dk", "dv"}
     for k, e in errs.items():
         assert e <= 5e-5, f"{name} world={world}: {k} max error {e:.3e}"
+
+
+def test_ring_on_triton_blocks() -> None:
+    for c in TRITON:
+        for k, e in _results(2)[c["name"]]["ring"].items():
+            assert e <= 1e-4, f"{c['name']}: {k} max error {e:.3e}"
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ as the reference, runs ring / zigzag attention on its shard and reports max erro
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -113,7 +114,12 @@ def attention_worker(rank: int, world: int, cases: list[dict]) -> dict[str, Any]
         ref = _single(case, [t.float() for t in low[:3]], low[3].float(), cu)
         dev = [t.to(device) for t in low]
         dev_cu = cu.to(device) if cu is not None else None
-        ring = [t.cpu() for t in _ring(case, rank, world, dev[:3], dev[3], dev_cu)]
+        if case.get("backend"):  # the ring's blocks on this backend (triton on CPU: the interpreter)
+            os.environ["FLASHPAGE_BACKEND"] = case["backend"]
+        try:
+            ring = [t.cpu() for t in _ring(case, rank, world, dev[:3], dev[3], dev_cu)]
+        finally:
+            os.environ.pop("FLASHPAGE_BACKEND", None)
         entry = {"ring": {n: _err(r, _shard(case, f, rank, world, cu)) for n, r, f in zip(NAMES, ring, ref)}}
         if dtype != torch.float32:
             single = _single(case, dev[:3], dev[3], dev_cu)
