@@ -30,7 +30,7 @@ from typing import Any
 
 __all__ = ["build_parser", "main"]
 
-BENCHES: tuple[str, ...] = ("attention", "decode", "throughput")
+BENCHES: tuple[str, ...] = ("attention", "decode", "throughput", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

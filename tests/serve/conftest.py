@@ -38,7 +38,9 @@ class Running:
 
 
 @contextlib.contextmanager
-def run_server(loaded: Any, timeout_s: float = 60.0, engine_kwargs: dict[str, Any] | None = None, **config: Any) -> Iterator[Running]:
+def run_server(
+    loaded: Any, timeout_s: float = 60.0, engine_kwargs: dict[str, Any] | None = None, **config: Any
+) -> Iterator[Running]:
     """Serve ``loaded`` (a load_model() result) on a free port until the block exits."""
     import uvicorn
 

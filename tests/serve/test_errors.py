@@ -63,8 +63,14 @@ def test_completion_bad_input_is_a_400_naming_the_field(server: Any, body: Any, 
         ({"model": MODEL, "messages": []}, "messages"),
         ({"model": MODEL, "messages": [{"content": "hi"}]}, "messages"),
         ({"model": MODEL, "messages": "hi"}, "messages"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+            "top_logprobs",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+            "temperature",
+        ),
     ],
 )
 def test_chat_bad_input_is_a_400_naming_the_field(server: Any, body: Any, param: str) -> None:
@@ -73,17 +79,32 @@ def test_chat_bad_input_is_a_400_naming_the_field(server: Any, body: Any, param:
 
 def test_context_overflow_names_the_limit(server: Any) -> None:
     limit = server.engine.max_model_len
-    err = _error(_post(server.v1 + "/completions", {"model": MODEL, "prompt": "hello", "max_tokens": limit}), 400, "max_tokens")
+    err = _error(
+        _post(server.v1 + "/completions", {"model": MODEL, "prompt": "hello", "max_tokens": limit}),
+        400,
+        "max_tokens",
+    )
     assert f"max_model_len={limit}" in err["message"]
     long_prompt = [1] * limit
-    err = _error(_post(server.v1 + "/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 1}), 400, "prompt")
+    err = _error(
+        _post(server.v1 + "/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 1}),
+        400,
+        "prompt",
+    )
     assert str(limit) in err["message"]
 
 
 def test_unknown_model_and_route(server: Any) -> None:
     err = _error(_post(server.v1 + "/completions", {"model": "gpt-5", "prompt": "x"}), 404, "model")
     assert err["code"] == "model_not_found"
-    _error(_post(server.v1 + "/chat/completions", {"model": "gpt-5", "messages": [{"role": "user", "content": "x"}]}), 404, "model")
+    _error(
+        _post(
+            server.v1 + "/chat/completions",
+            {"model": "gpt-5", "messages": [{"role": "user", "content": "x"}]},
+        ),
+        404,
+        "model",
+    )
     _error(httpx.get(server.v1 + "/nothing-here"), 404)
     _error(httpx.get(server.v1 + "/completions"), 405)
 
@@ -107,9 +128,13 @@ def test_body_size_and_limits(smollm_loaded: Any) -> None:
         _error(_post(s.v1 + "/completions", big), 413)
         _error(_post(s.v1 + "/completions", {"model": MODEL, "prompt": "x", "n": 3}), 400, "n")
         _error(_post(s.v1 + "/completions", {"model": MODEL, "prompt": ["a", "b", "c"]}), 400, "prompt")
-        err = _error(_post(s.v1 + "/completions", {"model": MODEL, "prompt": "x", "max_tokens": 9}), 400, "max_tokens")
+        err = _error(
+            _post(s.v1 + "/completions", {"model": MODEL, "prompt": "x", "max_tokens": 9}), 400, "max_tokens"
+        )
         assert "8" in err["message"]
-        assert _post(s.v1 + "/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8}).status_code == 200
+        assert (
+            _post(s.v1 + "/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8}).status_code == 200
+        )
 
 
 def test_health_and_metrics_names(server: Any) -> None:

@@ -51,7 +51,12 @@ def test_chat_stream_and_non_stream(client: Any) -> None:
     assert full.choices[0].message.role == "assistant"
     assert "Paris" in full.choices[0].message.content
     stream = client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True}
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -62,14 +67,20 @@ def test_chat_stream_and_non_stream(client: Any) -> None:
 
 
 def test_n_and_several_prompts_index_their_choices(client: Any) -> None:
-    r = client.completions.create(model=MODEL, prompt=["1, 2, 3,", "a, b, c,"], n=2, max_tokens=4, temperature=0)
+    r = client.completions.create(
+        model=MODEL, prompt=["1, 2, 3,", "a, b, c,"], n=2, max_tokens=4, temperature=0
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     by = {c.index: c.text for c in r.choices}
     assert by[0] == by[1] and by[2] == by[3] and by[0] != by[2]  # greedy: copies agree per prompt
     assert r.usage.completion_tokens == 16
-    chat = client.chat.completions.create(model=MODEL, messages=CHAT, n=3, max_tokens=6, temperature=1.0, seed=5)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, n=3, max_tokens=6, temperature=1.0, seed=5
+    )
     assert sorted(c.index for c in chat.choices) == [0, 1, 2]
-    stream = client.completions.create(model=MODEL, prompt="x y z", n=2, max_tokens=5, temperature=0, stream=True)
+    stream = client.completions.create(
+        model=MODEL, prompt="x y z", n=2, max_tokens=5, temperature=0, stream=True
+    )
     texts: dict[int, str] = {0: "", 1: ""}
     for c in stream:
         texts[c.choices[0].index] += c.choices[0].text
@@ -77,7 +88,9 @@ def test_n_and_several_prompts_index_their_choices(client: Any) -> None:
 
 
 def test_stop_string_ends_and_is_cut(client: Any) -> None:
-    r = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 7"])
+    r = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 7"]
+    )
     assert r.choices[0].finish_reason == "stop"
     assert " 7" not in r.choices[0].text and "6" in r.choices[0].text
 
@@ -92,7 +105,9 @@ def test_seed_reproduces_sampling(client: Any) -> None:
 
 
 def test_completion_logprobs(client: Any) -> None:
-    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=3)
+    r = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=3
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
     assert "".join(lp.tokens) == r.choices[0].text
@@ -110,7 +125,9 @@ def test_echo_returns_the_prompt(client: Any) -> None:
 
 
 def test_chat_logprobs(client: Any) -> None:
-    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     assert "".join(e.token for e in content) == r.choices[0].message.content
@@ -125,3 +142,90 @@ def test_token_id_prompts(client: Any, server: Any) -> None:
     b = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
     assert a.choices[0].text == b.choices[0].text
     assert a.usage.prompt_tokens == len(ids)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "population": {"type": "integer"},
+        "size": {"type": "string", "enum": ["small", "medium", "large"]},
+    },
+    "required": ["city", "population", "size"],
+    "additionalProperties": False,
+}
+
+
+def _check_schema(obj: Any) -> None:
+    assert set(obj) == {"city", "population", "size"}
+    assert isinstance(obj["city"], str) and len(obj["city"]) <= 20
+    assert isinstance(obj["population"], int) and not isinstance(obj["population"], bool)
+    assert obj["size"] in ("small", "medium", "large")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_response_format_json_schema(client: Any, temperature: float) -> None:
+    pytest.importorskip("xgrammar")
+    import json
+
+    messages = [{"role": "user", "content": "Describe Paris as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        response_format=fmt,
+        max_tokens=80,
+        temperature=temperature,
+        seed=3,
+        n=2,
+    )
+    for c in r.choices:
+        assert c.finish_reason == "stop", c
+        _check_schema(json.loads(c.message.content))
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="A city as JSON: ",
+        max_tokens=80,
+        temperature=temperature,
+        seed=4,
+        stream=True,
+        extra_body={"response_format": fmt},
+    )
+    _check_schema(json.loads("".join(c.choices[0].text for c in stream)))
+
+
+def test_response_format_json_object_and_guided_regex(client: Any) -> None:
+    pytest.importorskip("xgrammar")
+    import json
+    import re
+
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give me a JSON object."}],
+        response_format={"type": "json_object"},
+        max_tokens=60,
+        temperature=0.7,
+        seed=1,
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(
+        model=MODEL,
+        prompt="A date: ",
+        max_tokens=20,
+        temperature=1.0,
+        seed=2,
+        extra_body={"guided_regex": r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"},
+    )
+    assert re.fullmatch(r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]", r.choices[0].text), r.choices[0].text
+
+
+def test_bad_schema_is_a_400(client: Any) -> None:
+    pytest.importorskip("xgrammar")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=5,
+            extra_body={"guided_regex": "(unclosed"},
+        )
+    assert e.value.body["param"] == "guided_regex"

@@ -302,6 +302,18 @@ class AsyncLLM:
         """Abort requests (unknown ids are ignored); their iterators end without a final output."""
         self._abort_ids([request_id] if isinstance(request_id, str) else list(request_id))
 
+    def fail_all(self, message: str) -> int:
+        """End every unfinished request: each iterator raises :class:`EngineDeadError` with
+        ``message`` and the engine aborts the request. Safe from any thread; returns how many."""
+        st = self._state
+        with st.lock:
+            streams, st.streams = st.streams, {}
+            st.aborts.extend(streams)
+        self._wake.set()
+        for s in streams.values():
+            self._deliver(s, EngineDeadError(message))
+        return len(streams)
+
     def _abort_ids(self, ids: list[str]) -> None:
         st = self._state
         with st.lock:

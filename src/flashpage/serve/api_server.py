@@ -24,7 +24,10 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import re
+import signal
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -883,9 +886,17 @@ def run_server(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics | 
     inner: FastAPI = app.app  # type: ignore[attr-defined]
     state: _ServerState = inner.state.flashpage
 
+    grace = config.graceful_shutdown_s
+
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            state.draining = True
+            if not state.draining:
+                state.draining = True
+                # End what is still running just before the grace period is over, so every stream
+                # closes with an error event and [DONE] rather than being cut by uvicorn.
+                timer = threading.Timer(max(0.0, grace - 0.5), engine.fail_all, ("the server shut down",))
+                timer.daemon = True
+                timer.start()
             super().handle_exit(sig, frame)
 
     uv = uvicorn.Config(
@@ -893,13 +904,22 @@ def run_server(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics | 
         host=config.host,
         port=config.port,
         log_level="info",
-        timeout_graceful_shutdown=int(config.graceful_shutdown_s) or None,
+        timeout_graceful_shutdown=math.ceil(grace) + 5,  # a backstop: fail_all ends the requests first
         lifespan="on",
     )
     server = _Server(uv)
-    log.info("flashpage serving %s on http://%s:%d", ", ".join(state.names), config.host, config.port)
-    server.run()
-    if not engine.is_running:
-        return 0
-    engine.shutdown()
+    # uvicorn drains on SIGINT / SIGTERM and then raises the signal again under the handlers it found:
+    # with these in place that re-raise is a no-op and a drained server exits 0.
+    previous = {sig: signal.signal(sig, _drained) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        log.info("flashpage serving %s on http://%s:%d", ", ".join(state.names), config.host, config.port)
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        engine.shutdown()
     return 0
+
+
+def _drained(sig: int, frame: Any) -> None:
+    log.info("server drained after signal %d", sig)
