@@ -98,8 +98,10 @@ def test_from_hf_config_qwen2_and_mistral() -> None:
     cfg = ModelConfig.from_hf_config(qwen)
     assert cfg == BUILTIN_CONFIGS["qwen2-0.5b"]
     assert cfg.attention_bias and not cfg.attention_out_bias and cfg.sliding_window is None
-    with pytest.raises(ValueError, match="some layers"):
-        ModelConfig.from_hf_config({**qwen, "use_sliding_window": True})
+    mixed = ModelConfig.from_hf_config({**qwen, "use_sliding_window": True})  # layers >= 21 slide
+    assert mixed.sliding_window == 32768 and mixed.layer_types is not None
+    assert [mixed.is_sliding_layer(i) for i in (0, 20, 21, 23)] == [False, False, True, True]
+    assert mixed.layer_window(23) == (32767, 0) and mixed.layer_window(0) == (-1, -1)
     mistral = BUILTIN_CONFIGS["mistral-7b"].to_hf_config()
     assert mistral["sliding_window"] == 4096
     assert ModelConfig.from_hf_config(mistral) == BUILTIN_CONFIGS["mistral-7b"]
