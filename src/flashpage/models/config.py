@@ -639,6 +639,28 @@ _BUILTINS: dict[str, ModelConfig] = {
         max_position_embeddings=32768, tie_word_embeddings=True, attention_bias=True,
         bos_token_id=151643, eos_token_ids=(151643, 151645),
     ),
+    # Qwen/Qwen3-0.6B: head_dim 128 though hidden / heads is 64; eos <|im_end|>, <|endoftext|>
+    "qwen3-0.6b": ModelConfig(
+        architecture="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+        num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, tie_word_embeddings=True, bos_token_id=151643,
+        eos_token_ids=(151645, 151643),
+    ),
+    # google/gemma-2-2b: alternating 4096-token sliding / global layers, softcaps 50 (attention) and 30
+    "gemma-2-2b": ModelConfig(
+        architecture="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_layers=26,
+        num_heads=8, num_kv_heads=4, head_dim=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, sliding_window=4096,
+        query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        bos_token_id=2, eos_token_ids=(1, 107),
+    ),
+    # google/gemma-3-1b-it: 5 sliding (512 tokens, RoPE base 10k) : 1 global (base 1M); eos <eos>, <end_of_turn>
+    "gemma-3-1b": ModelConfig(
+        architecture="gemma3", vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26,
+        num_heads=4, num_kv_heads=1, head_dim=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        rope_local_theta=10000.0, max_position_embeddings=32768, tie_word_embeddings=True,
+        sliding_window=512, query_pre_attn_scalar=256, bos_token_id=2, eos_token_ids=(1, 106),
+    ),
 }  # fmt: skip
 
 BUILTIN_CONFIGS: MappingProxyType[str, ModelConfig] = MappingProxyType(_BUILTINS)
@@ -652,6 +674,8 @@ _ALIASES = {
     "llama-3-70b-instruct": "llama-3-70b",
     "mistral-7b-v0.1": "mistral-7b",
     "qwen2-0.5b-instruct": "qwen2-0.5b",
+    "gemma-2-2b-it": "gemma-2-2b",
+    "gemma-3-1b-it": "gemma-3-1b",
 }
 
 
