@@ -327,5 +327,34 @@ def test_gemma_defaults_from_config_and_hf() -> None:
         q3.replace(hidden_act="relu")
     with pytest.raises(ValueError, match="qk_norm"):
         q3.replace(qk_norm=False).to_hf_config()
-    with pytest.raises(ValueError, match="multimodal"):
-        ModelConfig.from_hf_config({"model_type": "gemma3", "text_config": {}})
+    with pytest.raises(ValueError, match="text_config"):
+        ModelConfig.from_hf_config({"model_type": "gemma3"})
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path: Path) -> None:
+    """Gemma 3 4B+ ship as Gemma3ForConditionalGeneration: text_config listing only non-default keys,
+    weights under ``language_model.model.*`` beside a vision tower. The text logits must match."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(7)
+    text = {k: v for k, v in COMMON.items() if not k.endswith("token_id")}
+    text.update(num_hidden_layers=2, sliding_window=WINDOW, query_pre_attn_scalar=32, vocab_size=300)
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}  # fmt: skip
+    cfg = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=297,
+        eoi_token_index=298, image_token_index=299, eos_token_id=[1, 106],
+    )  # fmt: skip
+    hf = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    lm = load_model(str(tmp_path))
+    assert lm.config.architecture == "gemma3" and lm.config.eos_token_ids == (1, 106)
+    assert lm.config.max_position_embeddings == 128 and lm.config.rope_local_theta == 10_000.0
+    ids = prompt(3 * WINDOW, 8)
+    torch.testing.assert_close(
+        full_logits(lm.model, ids, block_size=8), hf_logits(hf, ids), rtol=1e-4, atol=1e-5
+    )

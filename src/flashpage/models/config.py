@@ -357,6 +357,8 @@ class ModelConfig:
         """
         if not isinstance(d, dict):
             raise ValueError(f"config: must be a dict, got {type(d).__name__}")
+        if d.get("model_type") == "gemma3" and isinstance(d.get("text_config"), dict):
+            return cls.from_hf_config(_gemma3_text_config(d))  # multimodal: its language model
         model_type = d.get("model_type")
         arch = _HF_MODEL_TYPES.get(model_type) if model_type is not None else None
         if arch is None and model_type is None:
@@ -365,11 +367,7 @@ class ModelConfig:
                 if arch:
                     break
         if arch is None:
-            hint = (
-                " (multimodal Gemma 3 checkpoints are not supported; the text-only ones are 'gemma3_text')"
-                if model_type == "gemma3"
-                else ""
-            )
+            hint = " (a multimodal Gemma 3 config needs its 'text_config')" if model_type == "gemma3" else ""
             raise ValueError(
                 f"config: model_type {model_type!r} (architectures {d.get('architectures')!r}) is not "
                 f"supported; supported model_type: {', '.join(_HF_MODEL_TYPES)}{hint}"
@@ -550,6 +548,27 @@ _HF_GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma2": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
     "gemma3": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": None, "final_logit_softcapping": None},
 }
+
+
+# transformers' Gemma3TextConfig defaults: multimodal Gemma 3 configs (4B, 12B, 27B) list only the
+# text_config keys that differ from them.
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+}  # fmt: skip
+
+
+def _gemma3_text_config(d: dict) -> dict:
+    """The language model's config of a multimodal Gemma 3 config: ``text_config`` over transformers'
+    defaults, with the top-level special token ids (the chat end-of-turn id lives there)."""
+    text = {**_GEMMA3_TEXT_DEFAULTS, **d["text_config"], "model_type": "gemma3_text"}
+    for key in ("bos_token_id", "eos_token_id"):
+        if d.get(key) is not None:
+            text[key] = d[key]
+    return text
 
 
 def _hf_rope(arch: str, d: dict) -> tuple[float, Any, float | None]:
