@@ -171,7 +171,11 @@ def test_llm_greedy_matches_generate(checkpoints: dict, greedy_refs: dict, arch:
     """``LLM(model=dir)``: both prompts in one batch, prefill chunked in 16-token steps over 8-token
     blocks (the long prompt's chunks attend to cached blocks), then 15 paged decode steps."""
     _, path = checkpoints[arch]
-    llm = LLM(model=str(path), block_size=8, max_num_batched_tokens=16, kv_cache_bytes=1 << 20)
+    # float32 on the CPU also on a GPU machine: token parity with float32 transformers needs equal precision.
+    llm = LLM(
+        model=str(path), dtype="float32", device="cpu", block_size=8, max_num_batched_tokens=16,
+        kv_cache_bytes=1 << 20,
+    )  # fmt: skip
     prompts = [
         {"prompt_token_ids": prompt(5, 3).tolist()},
         {"prompt_token_ids": prompt(3 * WINDOW + 5, 4).tolist()},
