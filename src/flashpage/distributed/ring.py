@@ -15,6 +15,10 @@ and blocks no query can see are skipped.
 Layouts: the contiguous layout here (rank ``r`` holds positions ``[r*n, (r+1)*n)``) leaves rank 0
 with one causal block and the last rank with ``world``; the zigzag layout balances them.
 
+Launches: one flash call per step where the mask allows it (a rank's own causal block, fused full
+blocks); a packed (varlen) batch takes one call per sequence and block, since each sequence has its
+own global positions. No softcap or ALiBi (not in the contract's signature).
+
 Works over NCCL (GPU) and gloo (CPU). Kernels: the Triton kernels on CUDA, the PyTorch reference on
 CPU (``FLASHPAGE_BACKEND``, as :func:`flashpage.flash_attn_func`).
 """
