@@ -316,7 +316,7 @@ def run_hf_baseline(
         "ttft_ms_p99": _pct(ttft, 99),
         "itl_ms_p50": _pct(itl, 50),
         "itl_ms_p99": _pct(itl, 99),
-        "batch": b,
+        "static_batch": b,
     }
     if oom:
         row["note"] = (
