@@ -23,8 +23,8 @@ yardsticks, both of the GPU the run is on:
 Baselines in the same run (``--skip-hf`` leaves the first out): ``transformers`` generate with static
 batching — the requests in left-padded batches, ``max_new_tokens`` = the longest request of the batch,
 default SDPA attention, ``LlamaForCausalLM._from_config(cfg, dtype=bfloat16)``; one batch of all
-requests, halved after each out-of-memory error until it fits (the row's ``batch`` and ``note`` say
-so). vLLM when importable (``LLM(load_format="dummy")`` on the same config, token-id prompts), else a
+requests, halved after each out-of-memory error until it fits (the row's ``static_batch`` and ``note``
+say so). vLLM when importable (``LLM(load_format="dummy")`` on the same config, token-id prompts), else a
 ``missing`` row. A baseline that fails is a ``failed`` row with its reason.
 
 CPU (``--cpu-hf``): the embedded SmolLM2-135M-Instruct GGUF (fp32), 32 prompts x 64 new tokens, greedy,
