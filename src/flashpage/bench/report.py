@@ -122,26 +122,24 @@ def load_results(results: Path) -> dict[str, ResultSet]:
 
 
 def results_at_ref(ref: str, results: Path) -> dict[str, ResultSet]:
-    """The result files committed at git ``ref`` in ``results`` (a directory of the checkout), by GPU;
-    empty when the ref or the directory does not exist there."""
-    root = repo_root()
-    try:
-        rel = Path(results).resolve().relative_to(root)
-    except ValueError:
-        rel = Path("benchmarks/results")
+    """The result files committed at git ``ref`` in ``results`` (a directory inside a git checkout),
+    by GPU; empty when there is no checkout, no such ref or no such directory there."""
+    d = Path(results).resolve()
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+        return subprocess.run(["git", *args], cwd=d, capture_output=True, text=True, check=True).stdout
 
     try:
-        names = git("ls-tree", "--name-only", f"{ref}:{rel.as_posix()}").split()
+        rel = git("rev-parse", "--show-prefix").strip().rstrip("/")
+        d = Path(git("rev-parse", "--show-toplevel").strip())  # ls-tree filters by the cwd otherwise
+        names = git("ls-tree", "--name-only", f"{ref}:{rel}").split()
     except (OSError, subprocess.CalledProcessError):
         return {}
     sets: dict[str, ResultSet] = {}
     for name in names:
         if name.endswith(".json"):
             try:
-                _add(sets, name, json.loads(git("show", f"{ref}:{(rel / name).as_posix()}")))
+                _add(sets, name, json.loads(git("show", f"{ref}:{rel}/{name}" if rel else f"{ref}:{name}")))
             except (subprocess.CalledProcessError, json.JSONDecodeError):
                 continue
     return sets
