@@ -74,7 +74,7 @@ def ptxas_version() -> str | None:
     Kernel speed depends on it as much as on the triton version: triton 3.9 compiles sm_90 with its
     bundled CUDA 13.4 ``ptxas-blackwell`` (3.6: its CUDA 12.8 ``ptxas``), and one H100 run of 3.9
     with a CUDA 12.9 ptxas read the flash varlen kernel 15% slower than with its own
-    (benchmarks/README.md, "Triton 3.9 on the GPU")."""
+    (docs/perf-notes.md, "Triton 3.9 on the GPU")."""
     if not torch.cuda.is_available():
         return None
     try:

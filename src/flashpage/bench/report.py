@@ -306,12 +306,12 @@ def _ceilings(rs: ResultSet) -> str:
         bf16 = (prof.get("peak_flops") or {}).get("bf16") or (prof.get("peak_flops") or {}).get("fp32")
         eff = prof.get("efficiency") or {}
         text = (
-            f"Measured roofline (`probe-{rs.gpu}.json`): {bf16 / 1e12:.0f} TFLOP/s matmul, "
-            f"{prof['hbm_bandwidth'] / 1e12:.2f} TB/s copy"
+            f"Measured roofline (`probe-{rs.gpu}.json`): {_fmt(bf16 / 1e12)} TFLOP/s matmul, "
+            f"{_fmt(prof['hbm_bandwidth'] / 1e12)} TB/s copy"
         )
         sheet = next((e.get("datasheet") for e in rs.envs.values() if e.get("datasheet")), None)
         if sheet:
-            text += f"; datasheet {sheet['peak_tflops']:.0f} TFLOP/s, {sheet['peak_tbps']:.2f} TB/s"
+            text += f"; datasheet {_fmt(sheet['peak_tflops'])} TFLOP/s, {_fmt(sheet['peak_tbps'])} TB/s"
         if eff:
             text += "; kernel efficiency " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(eff.items()))
         return text + "."
@@ -321,7 +321,7 @@ def _ceilings(rs: ResultSet) -> str:
     tb = next(
         (e["peak_tbps"] for e in rs.envs.values() if isinstance(e.get("peak_tbps"), (int, float))), None
     )
-    parts = ([f"{tf:.0f} TFLOP/s matmul"] if tf else []) + ([f"{tb:.2f} TB/s copy"] if tb else [])
+    parts = ([f"{_fmt(tf)} TFLOP/s matmul"] if tf else []) + ([f"{_fmt(tb)} TB/s copy"] if tb else [])
     return ("Roofline recorded with the results: " + ", ".join(parts) + ".") if parts else ""
 
 
@@ -519,22 +519,33 @@ def plot_gpu_roofline(rs: ResultSet, path: Path) -> Path | None:
             label=f"measured roofline: {peak:.0f} TFLOP/s, {bw:.2f} TB/s")  # fmt: skip
     ax.axvline(ridge, color="gray", ls="--", lw=1, label=f"ridge {ridge:.0f} FLOP/B")
     markers = ["s", "^", "v", "D", "P", "X", "<", ">", "h", "*"]
+    colors = ["tab:blue", "tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
+              "tab:cyan", "tab:gray", "navy"]  # fmt: skip
     impls = sorted({label(r) for r, _ in pts if not label(r).startswith("flashpage")})
-    style = {name: markers[i % len(markers)] for i, name in enumerate(impls)}
-    for name in ["flashpage", *impls]:
-        sel = [(r, fb) for r, fb in pts if (label(r) == name)]
-        if not sel:
-            continue
+    placed: list[tuple[float, float]] = []  # label anchors (log10 x, log10 y): no label over another
+
+    def free(x: float, y: float) -> bool:
+        lx, ly = math.log10(x), math.log10(y)
+        if any(abs(lx - px) < 0.35 and abs(ly - py) < 0.07 for px, py in placed):
+            return False
+        placed.append((lx, ly))
+        return True
+
+    for i, name in enumerate(["flashpage", *impls]):
+        sel = [(r, fb) for r, fb in pts if label(r) == name]
         x = [f / b for _, (f, b) in sel]
         y = [f / (r["ms"] * 1e-3) / 1e12 for r, (f, _b) in sel]
         if name == "flashpage":
-            ax.scatter(x, y, marker="o", s=36, color="tab:red", zorder=4, label="flashpage")
+            ax.scatter(x, y, marker="o", s=40, color="tab:red", zorder=4, label="flashpage")
             for r, xi, yi in zip((r for r, _ in sel), x, y):
-                ax.annotate(_point_label(r), (xi, yi), textcoords="offset points", xytext=(4, 3), fontsize=6)
+                if free(xi, yi):
+                    ax.annotate(
+                        _point_label(r), (xi, yi), textcoords="offset points", xytext=(4, 3), fontsize=6
+                    )
         else:
-            ax.scatter(
-                x, y, marker=style[name], s=22, facecolors="none", edgecolors=None, zorder=3, label=name
-            )
+            c = colors[(i - 1) % len(colors)]
+            ax.scatter(x, y, marker=markers[(i - 1) % len(markers)], s=24, facecolors="none", edgecolors=c,
+                       zorder=3, label=name)  # fmt: skip
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP/byte)")
