@@ -35,8 +35,8 @@ flash_configs.py.
 
 GPU: ``PYTHONUNBUFFERED=1 PYTHONPATH=src python3 -m flashpage.bench.attention [--quick] [--variants]``
 (``--quick``: d=128, seqlen 4k, one round). ``--smoke`` runs tiny shapes on any device (CPU: the Triton
-interpreter) to check the script itself. Writes ``benchmarks/results/attention-<gpu>.json`` and the
-table in ``benchmarks/README.md``.
+interpreter) to check the script itself. Writes ``benchmarks/results/attention-<gpu>.json``
+(``flashpage bench report`` renders the tables).
 """
 
 from __future__ import annotations

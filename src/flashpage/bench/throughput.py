@@ -31,7 +31,7 @@ CPU (``--cpu-hf``): the embedded SmolLM2-135M-Instruct GGUF (fp32), 32 prompts x
 flashpage vs ``transformers`` generate on the same dequantised weights (batched, left padded).
 
 ``--smoke`` runs the GPU-mode code path on a tiny dummy model on any device (checks the script).
-Results: ``benchmarks/results/throughput-<gpu>.json`` and the table in ``benchmarks/README.md``.
+Results: ``benchmarks/results/throughput-<gpu>.json`` (``flashpage bench report`` renders the tables).
 """
 
 from __future__ import annotations
