@@ -23,10 +23,10 @@ def test_smoke_run_writes_default_config_rows(tmp_path: Path) -> None:
     assert main(["--smoke", "--out", str(tmp_path)]) == 0  # 0: every implementation matched SDPA
     (path,) = tmp_path.glob("decode-*.json")
     data = json.loads(path.read_text())
-    env, rows = data["env"], data["rows"]
+    env, rows = data["env"], list(data["rows"])
+    assert {r["bench"] for r in rows} == {"decode"}
     (prefill_path,) = tmp_path.glob("prefill-*.json")  # one file per (bench, GPU)
     rows += json.loads(prefill_path.read_text())["rows"]
-    assert {r["bench"] for r in data["rows"]} == {"decode"}
     for key in ("gpu", "torch", "triton", "date", "git_commit", "copy_tbps", "profile"):
         assert key in env, key
     assert all(r["frac_of_roofline"] > 0 for r in rows if not r.get("status"))
