@@ -60,6 +60,7 @@ from flashpage.bench.common import (
     env_info,
     failure_reason,
     graph_ms,
+    make_timer,
     roofline_fraction,
     round_robin,
     run_profile,
@@ -137,25 +138,6 @@ def _settings(args: argparse.Namespace) -> Settings:
     tutorial_dims = dims if args.tutorial_all or args.smoke else tuple(d for d in dims if d == 128)
     rounds = max(1, args.rounds if args.rounds is not None else (1 if args.smoke or args.quick else 2))
     return Settings(shapes, 100, 100, flex_dims, budget, args.smoke, tutorial_dims, rounds)
-
-
-def _timer(device: torch.device, warmup_ms: int, rep_ms: int) -> Callable[[Callable[[], Any]], float]:
-    """Median ms: triton's do_bench on CUDA, a few perf_counter repetitions on CPU (smoke only)."""
-    if device.type == "cuda":
-        from flashpage.bench.common import do_bench_ms
-
-        return lambda fn: do_bench_ms(fn, warmup=warmup_ms, rep=rep_ms)
-
-    def cpu_time(fn: Callable[[], Any]) -> float:
-        fn()
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return sorted(ts)[1]
-
-    return cpu_time
 
 
 def attention_bytes(shape: Shape, pas: str, elt: int) -> float:
@@ -674,8 +656,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("FLASHPAGE_BACKEND", "triton")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     st = _settings(args)
-    time_ms = _timer(device, st.warmup_ms, st.rep_ms)
-    sweep_ms = _timer(device, 10, 40)
+    time_ms = make_timer(device, st.warmup_ms, st.rep_ms)
+    sweep_ms = make_timer(device, 10, 40)
     t_start = time.perf_counter()
     deadline = t_start + st.budget_s
     torch.manual_seed(0)

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -320,6 +321,24 @@ def write_results(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
     return path
+
+
+def make_timer(device: torch.device, warmup_ms: int, rep_ms: int) -> Callable[[Callable[[], Any]], float]:
+    """Median milliseconds of a call: :func:`do_bench_ms` on CUDA (``warmup_ms`` / ``rep_ms``), the
+    median of 3 wall-clock runs after one warm-up elsewhere (CPU smoke runs and tests)."""
+    if device.type == "cuda":
+        return lambda fn: do_bench_ms(fn, warmup=warmup_ms, rep=rep_ms)
+
+    def wall(fn: Callable[[], Any]) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[1]
+
+    return wall
 
 
 def do_bench_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:

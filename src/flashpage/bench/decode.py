@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -58,10 +57,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashpage.bench.common import (
-    do_bench_ms,
     env_info,
     failure_reason,
     graph_ms,
+    make_timer,
     markdown_table,
     roofline_fraction,
     round_robin,
@@ -170,23 +169,6 @@ def _settings(args: argparse.Namespace) -> BenchSettings:
         fp8=True,
         rounds=max(1, args.rounds or (1 if args.quick else 2)),
     )
-
-
-def _timer(device: torch.device, warmup_ms: int, rep_ms: int) -> Callable[[Callable[[], Any]], float]:
-    """Median milliseconds of ``fn``: CUDA events (``do_bench``) on GPU, wall clock elsewhere."""
-    if device.type == "cuda":
-        return lambda fn: do_bench_ms(fn, warmup=warmup_ms, rep=rep_ms)
-
-    def wall(fn: Callable[[], Any]) -> float:
-        fn()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    return wall
 
 
 def _max_err(a: Tensor, b: Tensor) -> float:
@@ -907,8 +889,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before flashpage.ops imports triton
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     st = _settings(args)
-    time_ms = _timer(device, st.warmup_ms, st.rep_ms)
-    sweep_ms = _timer(device, max(1, st.warmup_ms // 2), max(1, st.rep_ms // 3))
+    time_ms = make_timer(device, st.warmup_ms, st.rep_ms)
+    sweep_ms = make_timer(device, max(1, st.warmup_ms // 2), max(1, st.rep_ms // 3))
     torch.manual_seed(0)
     t_start = time.perf_counter()
     profile = run_profile(args.profile, quick=args.quick or args.smoke)

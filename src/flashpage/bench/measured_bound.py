@@ -18,7 +18,6 @@ made generic over the model shape; on CPU it runs at tiny sizes (wall-clock time
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,23 +34,11 @@ Timer = Callable[[Callable[[], Any]], float]
 
 
 def default_timer(device: torch.device) -> Timer:
-    """Median milliseconds of a call: ``triton.testing.do_bench`` on CUDA (10 ms warm-up, 50 ms of
-    repetitions: the GEMMs are short and there are hundreds of batch sizes), wall clock on CPU."""
-    if device.type == "cuda":
-        from flashpage.bench.common import do_bench_ms
+    """Median milliseconds of a call (:func:`flashpage.bench.common.make_timer`): 10 ms warm-up and
+    50 ms of repetitions on CUDA (the GEMMs are short and there are hundreds of batch sizes)."""
+    from flashpage.bench.common import make_timer
 
-        return lambda fn: do_bench_ms(fn, warmup=10, rep=50)
-
-    def wall(fn: Callable[[], Any]) -> float:
-        fn()
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(ts)
-
-    return wall
+    return make_timer(device, 10, 50)
 
 
 @dataclass(frozen=True)
