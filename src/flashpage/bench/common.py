@@ -236,12 +236,12 @@ def run_with_batch_fallback(
                 raise
             tried.append(batch)
             batch //= 2
-            del e
-            gc.collect()
-            if free is not None:
-                free()
-            elif torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        # Outside the handler: the failed try's traceback (and the tensors its frames hold) is gone.
+        gc.collect()
+        if free is not None:
+            free()
+        elif torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 #: Keys every measured row needs beyond ``bench`` and ``impl``.
