@@ -130,6 +130,12 @@ def test_check_exits_nonzero_on_a_regression_against_the_committed_results(resul
     assert main(["--results", str(results), "--check", "--no-plot"]) == 0
     assert main(["--results", str(results), "--check", "--no-plot", "--baseline-ref", "HEAD~1"]) == 1
     assert main(["--results", str(repo / "missing")]) == 2
+    probe = results / "probe-h100.json"  # a probe profile beside the rows gets their efficiency
+    probe.write_text(json.dumps({"name": "h100-measured", "peak_flops": {"bf16": 7e14, "tf32": 3e14},
+                                 "hbm_bandwidth": 3e12, "num_sms": 132, "l2_bytes": 1, "memory_bytes": 1}))  # fmt: skip
+    assert main(["--results", str(results), "--no-plot"]) == 0
+    assert json.loads(probe.read_text())["efficiency"]["flash_fwd"] == pytest.approx(0.6)
+    assert "Measured roofline (`probe-h100.json`): 700 TFLOP/s matmul, 3 TB/s copy" in readme.read_text()
 
 
 def test_roofline_plot_and_measured_efficiency(results: Path, tmp_path: Path) -> None:

@@ -11,6 +11,8 @@ of at most three lines (what is measured, the summary, the baselines that did no
 Regression check: every flashpage row is matched by (bench, implementation label, dtype, shape, pass)
 with the rows of the same GPU at a git ref (``git show REF:benchmarks/results/...``, default HEAD);
 a figure more than ``threshold`` (5%) below the old one is a regression. ``--check`` exits 1 on one.
+The report also records each GPU's per-kernel efficiency (:func:`kernel_efficiency`) in its
+``probe-<gpu>.json``, so results gathered in separate runs feed the planner too.
 """
 
 from __future__ import annotations
@@ -300,10 +302,17 @@ def _gpu_title(rs: ResultSet) -> str:
     return f"{rs.gpu.upper()}" + (f" ({', '.join(sorted(map(str, names)))})" if names else "")
 
 
+def _compute_peak(profile: dict[str, Any]) -> float | None:
+    """The FLOP/s rows are fractions of (:func:`flashpage.bench.common.compute_dtype_key`)."""
+    pf = profile.get("peak_flops") or {}
+    key = "bf16" if "tf32" in pf or "fp32" not in pf else "fp32"
+    return pf.get(key)
+
+
 def _ceilings(rs: ResultSet) -> str:
     prof = rs.profile
     if prof:
-        bf16 = (prof.get("peak_flops") or {}).get("bf16") or (prof.get("peak_flops") or {}).get("fp32")
+        bf16 = _compute_peak(prof)
         eff = prof.get("efficiency") or {}
         text = (
             f"Measured roofline (`probe-{rs.gpu}.json`): {_fmt(bf16 / 1e12)} TFLOP/s matmul, "
@@ -474,8 +483,7 @@ def flops_bytes(row: dict[str, Any]) -> tuple[float, float] | None:
 def _peaks(rs: ResultSet) -> tuple[float, float] | None:
     """(peak TFLOP/s, TB/s) of a GPU's roofline: its probe profile, else the peaks its envs recorded."""
     if rs.profile:
-        pf = rs.profile.get("peak_flops") or {}
-        peak = pf.get("bf16") or pf.get("fp32")
+        peak = _compute_peak(rs.profile)
         if peak:
             return peak / 1e12, rs.profile["hbm_bandwidth"] / 1e12
     tf = next(
@@ -569,7 +577,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--results", type=Path, default=root / "benchmarks" / "results", help="result files directory"
     )
-    p.add_argument("--readme", type=Path, default=None, help="README to write (default: beside --results)")
+    p.add_argument(
+        "--readme", type=Path, default=None, help="README to write (default: README.md in --results' parent)"
+    )
     p.add_argument("--baseline-ref", default="HEAD", help="git ref of the results to compare with (HEAD)")
     p.add_argument("--threshold", type=float, default=0.05, help="regression threshold (0.05 = 5%%)")
     p.add_argument("--check", action="store_true", help="exit 1 when a flashpage figure regressed")
@@ -580,6 +590,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     readme = args.readme or args.results.parent / "README.md"
     sets = load_results(args.results)
+    for gpu, rs in sets.items():  # the rows' measured kernel efficiency into the GPU's probe profile
+        probe = args.results / f"probe-{gpu}.json"
+        eff = kernel_efficiency(rs.rows)
+        if rs.profile is not None and eff and rs.profile.get("efficiency") != eff:
+            rs.profile["efficiency"] = eff
+            probe.write_text(json.dumps(rs.profile, indent=1) + "\n")
+            print(f"recorded kernel efficiency in {probe}")
     plots: dict[str, str] = {}
     if not args.no_plot:
         try:
@@ -595,10 +612,13 @@ def main(argv: list[str] | None = None) -> int:
     readme.parent.mkdir(parents=True, exist_ok=True)
     readme.write_text(render_readme(sets, plots))
     print(f"wrote {readme}")
-    regs = find_regressions(sets, results_at_ref(args.baseline_ref, args.results), args.threshold)
+    before = results_at_ref(args.baseline_ref, args.results)
+    regs = find_regressions(sets, before, args.threshold)
     for r in regs:
         print(f"REGRESSION {r}")
-    if not regs:
+    if not before:
+        print(f"no committed results at {args.baseline_ref} to compare with")
+    elif not regs:
         print(f"no flashpage figure more than {100 * args.threshold:.0f}% below {args.baseline_ref}")
     return 1 if regs and args.check else 0
 
