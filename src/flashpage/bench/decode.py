@@ -32,7 +32,8 @@ CUDA graph (no host time): an eager call can be host-bound where the kernel is s
 Prefill rows (``bench="prefill"``): chunked prefill of 4 sequences x 2048 new tokens after a 2048-token
 cached prefix (bottom-right causal): the paged prefill kernel vs the flash forward kernel
 (``flashpage.ops.flash_attn.flash_attn_varlen_fwd``) on the same shape with a contiguous KV, plus SDPA
-with a lower-right causal mask; ``ratio_vs_flash`` is the flash kernel's time over the paged one's.
+with a lower-right causal mask and flash-attn's varlen forward when importable (a ``missing`` row
+otherwise); ``ratio_vs_flash`` is the flash kernel's time over the paged one's.
 ``paged-prefill-bs128`` rows run the same K/V in 128-token pages (a tile lies inside one page),
 with the default tiles and (Hopper) the same tiles over the other load path, TMA or pointers.
 
@@ -821,6 +822,19 @@ def bench_prefill_shape(
             notes.append(f"prefill sdpa lower-right causal: {type(exc).__name__}")
             rows.append({**base, "impl": "sdpa-efficient", "variant": "lower-right causal", "status": "failed",
                          "reason": failure_reason(exc)})  # fmt: skip
+        # flash-attn's varlen forward on the same contiguous K/V (its causal mask is bottom-right).
+        try:
+            from flash_attn import flash_attn_varlen_func as fa_varlen  # type: ignore[import-not-found]
+        except ImportError as exc:
+            rows.append({**base, "impl": "flash-attn", "variant": "varlen", "status": "missing",
+                         "reason": f"flash_attn is not importable ({exc})"})  # fmt: skip
+        else:
+            fa = lambda: fa_varlen(q, k_flat, v_flat, cu_q, cu_k, new, ctx, softmax_scale=scale, causal=True)
+            try:
+                row("flash-attn", "varlen", fa, _max_err(fa(), ref))
+            except Exception as exc:  # a third-party kernel: record, keep the run going
+                rows.append({**base, "impl": "flash-attn", "variant": "varlen", "status": "failed",
+                             "reason": failure_reason(exc)})  # fmt: skip
 
     def failed(item: tuple[dict[str, Any], Callable[[], Any]], exc: Exception) -> None:
         notes.append(f"prefill {item[0]['impl']} {item[0]['variant']}: {type(exc).__name__}: {exc}"[:200])
