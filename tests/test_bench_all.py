@@ -98,3 +98,10 @@ def test_bench_all_main_rejects_unknown_names_and_reports_worst_status(
     assert bench_all.main(["--quick", "--only", "attention,decode", "--out", str(tmp_path)]) == 1
     assert seen == {"out": tmp_path, "quick": True, "only": ["attention", "decode"]}
     assert [e.name for e in bench_all.REGISTRY] == ["attention", "decode", "throughput", "serve"]
+
+
+def test_bench_name_help_shows_the_benchmarks_own_options(capsys: pytest.CaptureFixture[str]) -> None:
+    for name, option in (("all", "--only"), ("report", "--baseline-ref")):
+        with pytest.raises(SystemExit) as e:
+            cli_main(["bench", name, "--help"])
+        assert e.value.code == 0 and option in capsys.readouterr().out

@@ -188,7 +188,16 @@ def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``flashpage`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()
-    args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if (
+        argv[:1] == ["bench"]
+        and len(argv) > 2
+        and not argv[1].startswith("-")
+        and {"-h", "--help"} & set(argv[2:])
+    ):
+        # `flashpage bench NAME --help`: the benchmark's own options, not the bench parser's.
+        return _cmd_bench(argparse.Namespace(which=argv[1], out=None, quick=False), ["--help"])
+    args, extra = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
