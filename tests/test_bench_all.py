@@ -77,6 +77,11 @@ def test_run_all_probes_first_then_runs_skips_and_survives_failures(
     assert prof.efficiency == {"flash_fwd": 0.25}
     written = json.loads((tmp_path / "attention-cpu.json").read_text())["rows"][0]
     assert written["peak_seen"] == prof.hbm_bandwidth  # the benchmark scored against this run's probe
+    # A later command of a split run reuses this probe instead of measuring again.
+    again = tmp_path / "again"
+    outcomes = run_all(again, registry=registry[:1], progress=False, profile=probe,
+                       probe=lambda out, quick: pytest.fail("probed again"))  # fmt: skip
+    assert [o.state for o in outcomes] == ["ran"] and load_profile(again / "probe-cpu.json").name == prof.name
     capsys.readouterr()
     assert cli_main(["roofline", "--hardware", str(probe), "--seq", "512", "--batch", "2"]) == 0
     table = capsys.readouterr().out
@@ -90,13 +95,16 @@ def test_bench_all_main_rejects_unknown_names_and_reports_worst_status(
     assert "nope" in capsys.readouterr().err
     seen: dict[str, Any] = {}
 
-    def fake_run_all(out: Path, quick: bool, only: Any, progress: bool) -> list[bench_all.BenchOutcome]:
-        seen.update(out=out, quick=quick, only=only)
+    def fake_run_all(
+        out: Path, quick: bool, only: Any, progress: bool, profile: Path | None
+    ) -> list[bench_all.BenchOutcome]:
+        seen.update(out=out, quick=quick, only=only, profile=profile)
         return [bench_all.BenchOutcome("attention", "ran", 0), bench_all.BenchOutcome("decode", "failed", 1)]
 
     monkeypatch.setattr(bench_all, "run_all", fake_run_all)
     assert bench_all.main(["--quick", "--only", "attention,decode", "--out", str(tmp_path)]) == 1
-    assert seen == {"out": tmp_path, "quick": True, "only": ["attention", "decode"]}
+    assert seen == {"out": tmp_path, "quick": True, "only": ["attention", "decode"], "profile": None}
+    assert bench_all.main(["--profile", str(tmp_path / "none.json")]) == 2
     assert [e.name for e in bench_all.REGISTRY] == ["attention", "decode", "throughput", "serve"]
 
 

@@ -174,9 +174,12 @@ def run_all(
     registry: Sequence[BenchEntry] = REGISTRY,
     probe: Callable[[Path, bool], Path] = write_probe,
     progress: bool = True,
+    profile: Path | None = None,
 ) -> list[BenchOutcome]:
     """Probe, then run every entry of ``registry`` (``only``: just those names) that can run here;
-    returns one outcome per entry (skipped ones included). Never raises for a benchmark's failure."""
+    returns one outcome per entry (skipped ones included). Never raises for a benchmark's failure.
+    ``profile``: a probe profile of this GPU measured earlier (a run split over several commands
+    shares one), copied to ``<out>/probe-<gpu>.json`` instead of probing again."""
     out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     wanted = set(only) if only else None
@@ -185,7 +188,12 @@ def run_all(
     with _progress(len(entries) + 1, progress) as bar:
         bar.set_postfix_str("probe")
         t0 = time.perf_counter()
-        probe_path = probe(out, quick)
+        if profile is not None:
+            probe_path = out / f"probe-{gpu_slug()}.json"
+            if Path(profile).resolve() != probe_path.resolve():
+                probe_path.write_text(Path(profile).read_text())
+        else:
+            probe_path = probe(out, quick)
         bar.write(f"probe: {probe_path} ({time.perf_counter() - t0:.0f} s)")
         bar.update(1)
         for entry in entries:
@@ -231,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--only", default=None, help="comma list of benchmarks to run (default: all)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="use this probe profile of this GPU (from an earlier bench all / probe) instead of probing",
+    )
     args = p.parse_args(argv)
     names = [e.name for e in REGISTRY]
     only = [x for x in args.only.split(",") if x] if args.only else None
@@ -242,7 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     t0 = time.perf_counter()
-    outcomes = run_all(results_dir(args.out), args.quick, only, progress=not args.no_progress)
+    if args.profile is not None and not args.profile.is_file():
+        print(f"flashpage bench all: --profile {args.profile} does not exist", file=sys.stderr)
+        return 2
+    outcomes = run_all(
+        results_dir(args.out), args.quick, only, progress=not args.no_progress, profile=args.profile
+    )
     print(f"\nbench all in {time.perf_counter() - t0:.0f} s:")
     for o in outcomes:
         print(f"  {o.name:12s} {o.state:8s} rc={o.rc} {o.seconds:6.0f} s  {o.reason or ', '.join(o.files)}")
