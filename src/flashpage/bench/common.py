@@ -16,6 +16,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -309,7 +310,7 @@ def write_results(
     """Write ``<out_dir>/<bench>-<gpu>.json`` (default dir ``benchmarks/results``); returns its path.
 
     ``note`` and ``table_columns`` are kept in ``env`` (the run's own remarks and the columns its
-    console table printed). ``benchmarks/README.md`` is rendered from these files by ``flashpage
+    console table printed). Rows that :func:`validate_rows` finds fault with are reported on stderr. ``benchmarks/README.md`` is rendered from these files by ``flashpage
     bench report``, never edited by a run.
     """
     env = dict(env)
@@ -318,6 +319,8 @@ def write_results(
     if table_columns:
         env["table_columns"] = list(table_columns)
     path = results_dir(out_dir) / f"{bench}-{gpu_slug()}.json"
+    for problem in validate_rows(rows):  # written anyway: a half-right file beats a lost run
+        print(f"warning: {path.name}: {problem}", file=sys.stderr, flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
     return path
