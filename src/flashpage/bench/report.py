@@ -278,8 +278,11 @@ def bench_note(bench: str, rows: Sequence[dict[str, Any]], ratios: list[float], 
     summary = []
     if ratios:
         g = math.exp(statistics.fmean(math.log(x) for x in ratios))
-        summary.append(f"flashpage / best baseline: geomean {g:.2f}x over {len(ratios)} shapes "
-                       f"({min(ratios):.2f}x to {max(ratios):.2f}x)")  # fmt: skip
+        if len(ratios) == 1:
+            summary.append(f"flashpage / best baseline: {g:.2f}x")
+        else:
+            summary.append(f"flashpage / best baseline: geomean {g:.2f}x over {len(ratios)} shapes "
+                           f"({min(ratios):.2f}x to {max(ratios):.2f}x)")  # fmt: skip
     if fracs:
         summary.append(f"flashpage median {100 * statistics.median(fracs):.0f}% of roofline")
     mb = [
