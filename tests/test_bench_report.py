@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from flashpage.bench.common import status_row
+from flashpage.bench.common import status_row, validate_rows
 from flashpage.bench.report import (
     find_regressions,
     kernel_efficiency,
@@ -84,6 +84,19 @@ def test_readme_has_a_table_per_gpu_and_bench_with_ratios_roofline_and_notes(res
     assert "geomean 1.06x over 2 shapes (0.93x to 1.20x)" in note[1]
     assert note[2] == "Not measured: flashinfer (missing: flashinfer is not importable)"
     assert "| fwd d128 s4096 b4 h16 causal | 420 (60%) | 300 (43%) | 1.40x (sdpa-flash) |" in h100
+
+
+def test_serve_rows_put_the_offline_run_beside_each_level(tmp_path: Path) -> None:
+    base = {"bench": "serve", "impl": "flashpage", "model": "m", "dtype": "bfloat16"}
+    rows = [
+        {**base, "mode": "server", "concurrency": 16, "requests": 64, "tokens_per_s": 900.0,
+         "offline_tokens_per_s": 1000.0, "ratio_vs_offline": 0.9},
+        {**base, "mode": "offline", "requests": 64, "tokens_per_s": 1000.0},
+    ]  # fmt: skip
+    _write(tmp_path, "serve-h100.json", rows)
+    text = render_readme(load_results(tmp_path))
+    assert "| m, concurrency 16, 64 requests | 900 | 1000 | 0.90x (offline LLM.generate) |" in text
+    assert validate_rows(rows) == []  # serve rows carry no roofline fraction
 
 
 def test_regressions_over_five_percent_are_flagged(results: Path) -> None:

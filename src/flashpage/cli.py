@@ -29,6 +29,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["build_parser", "main"]
 
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Roofline-driven LLM attention and inference: FlashAttention and paged-KV kernels, "
         "a roofline planner, and a vLLM-style engine.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{roofline,probe,demo,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{roofline,probe,demo,serve,bench}")
 
     r = sub.add_parser(
         "roofline",
@@ -102,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.set_defaults(forward=True)
 
+    _add_serve_parser(sub)
+
     b = sub.add_parser(
         "bench",
         help="run benchmarks (GPU) and render their report",
@@ -114,6 +117,97 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="small sweep (forwarded)")
     b.set_defaults(forward=True)
     return parser
+
+
+def _add_serve_parser(sub: Any) -> None:
+    s = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Serve a model over OpenAI's HTTP API (/v1/models, /v1/completions, /v1/chat/completions, "
+        "streaming as server-sent events), with /health, /metrics (Prometheus), /stats and a live page at /. "
+        "SIGTERM drains: running requests get --graceful-shutdown seconds, then the process exits 0.",
+    )
+    s.add_argument(
+        "--model", default="smollm2-135m-instruct", help="built-in name, HF directory or .gguf file"
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every /v1 route (default: $FLASHPAGE_API_KEY, else none)",
+    )
+    s.add_argument("--served-model-name", action="append", default=None, help="name clients use (repeatable)")
+    s.add_argument("--max-queue", type=int, default=256, help="waiting requests before a 429 (default: 256)")
+    s.add_argument(
+        "--max-tokens-limit", type=int, default=None, help="largest max_tokens (default: the context)"
+    )
+    s.add_argument(
+        "--max-n", type=int, default=16, help="largest n, and most prompts per request (default: 16)"
+    )
+    s.add_argument(
+        "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (default: 4 MiB)"
+    )
+    s.add_argument(
+        "--graceful-shutdown",
+        type=float,
+        default=30.0,
+        help="seconds running requests get after SIGTERM (default: 30)",
+    )
+    e = s.add_argument_group("engine")
+    e.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32")
+    e.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if present)")
+    e.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--kv-cache-bytes", type=int, default=None)
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    e.add_argument("--seed", type=int, default=0)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    from flashpage.engine.async_llm import AsyncLLM
+    from flashpage.serve.api_server import ServerConfig, run_server
+    from flashpage.serve.metrics import ServerMetrics
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("FLASHPAGE_API_KEY") or None,
+        served_model_names=tuple(args.served_model_name or ()),
+        max_queue=args.max_queue,
+        max_tokens_limit=args.max_tokens_limit,
+        max_n=args.max_n,
+        max_body_bytes=args.max_body_bytes,
+        graceful_shutdown_s=args.graceful_shutdown,
+    )
+    metrics = ServerMetrics()
+    engine = AsyncLLM(
+        args.model,
+        observer=metrics.observe,
+        dtype=args.dtype,
+        device=args.device,
+        load_format=args.load_format,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+    )
+    metrics.model_name = config.served_model_names[0] if config.served_model_names else engine.model_name
+    return run_server(engine, config, metrics)
 
 
 def _cmd_roofline(args: argparse.Namespace) -> int:
@@ -208,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         return _cmd_bench(args, extra)
     try:
+        if args.command == "serve":
+            return _cmd_serve(args)
         return _cmd_roofline(args) if args.command == "roofline" else _cmd_probe(args)
     except ValueError as e:  # bad names, malformed profile files, bad sizes: one clear line, no traceback
         print(f"flashpage {args.command}: error: {e}", file=sys.stderr)

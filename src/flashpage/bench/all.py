@@ -15,8 +15,8 @@
    (``flashpage roofline --hardware <out>/probe-<gpu>.json`` plans with it).
 
 A benchmark plugs in with a :class:`BenchEntry`: its module's ``main(argv) -> int`` accepts
-``--out DIR``, ``--profile FILE`` and ``--quick`` (plus the entry's extra arguments) and writes its
-result files into ``DIR``. Without CUDA only the entries with ``cpu_args`` run (CPU modes), the
+``--out DIR``, ``--quick`` and, unless ``takes_profile`` is False, ``--profile FILE`` (plus the
+entry's extra arguments) and writes its result files into ``DIR``. Without CUDA only the entries with ``cpu_args`` run (CPU modes), the
 others are skipped. ``--quick`` fits in about 5 minutes on one H100/H200.
 """
 
@@ -52,6 +52,7 @@ class BenchEntry:
         requires: modules that must be importable (an extra), else the entry is skipped.
         gpu_args / quick_args: arguments on a GPU, added with ``--quick``.
         cpu_args: arguments without CUDA; None: the entry needs a GPU.
+        takes_profile: its ``main`` accepts ``--profile FILE`` (the run's probe).
     """
 
     name: str
@@ -61,15 +62,23 @@ class BenchEntry:
     gpu_args: tuple[str, ...] = ()
     quick_args: tuple[str, ...] = ("--quick",)
     cpu_args: tuple[str, ...] | None = None
+    takes_profile: bool = True
 
 
-#: Every benchmark ``bench all`` knows, in run order. ``serve`` is skipped until its module exists and
-#: when the server extra (fastapi, uvicorn) is missing.
+#: Every benchmark ``bench all`` knows, in run order. ``serve`` is skipped when the server extra
+#: (fastapi, uvicorn, aiohttp) is missing; its rows are throughput, not fractions of a roofline.
 REGISTRY: tuple[BenchEntry, ...] = (
     BenchEntry("attention", "flashpage.bench.attention", ("attention",)),
     BenchEntry("decode", "flashpage.bench.decode", ("decode", "prefill")),
     BenchEntry("throughput", "flashpage.bench.throughput", ("throughput",), cpu_args=("--cpu-hf",)),
-    BenchEntry("serve", "flashpage.bench.serve", ("serve",), requires=("fastapi", "uvicorn")),
+    BenchEntry(
+        "serve",
+        "flashpage.bench.serve",
+        ("serve",),
+        requires=("fastapi", "uvicorn", "aiohttp"),
+        cpu_args=(),
+        takes_profile=False,
+    ),
 )
 
 
@@ -204,7 +213,7 @@ def run_all(
                 bar.write(f"{entry.name}: skipped ({why})")
                 bar.update(1)
                 continue
-            args = ["--out", str(out), "--profile", str(probe_path)]
+            args = ["--out", str(out), *(["--profile", str(probe_path)] if entry.takes_profile else [])]
             args += list(entry.gpu_args if cuda else entry.cpu_args or ())
             args += list(entry.quick_args) if quick else []
             t0 = time.perf_counter()

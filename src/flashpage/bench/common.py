@@ -254,9 +254,8 @@ _FIGURES = ("ms", "tokens_per_s", "tflops", "tbps")
 def validate_rows(rows: Sequence[dict[str, Any]]) -> list[str]:
     """Problems with ``rows`` against the result format (empty when none): every row has ``bench``
     (one of :data:`ROW_BENCHES`) and ``impl``; a row with ``status`` missing/failed has a
-    ``reason``; any other row has a figure (``ms`` / ``tokens_per_s`` / ...) and a finite
-    ``frac_of_roofline`` > 0; throughput rows of flashpage also ``frac_of_measured_bound`` when
-    the run measured the bound."""
+    ``reason``; any other row has a figure (``ms`` / ``tokens_per_s`` / ...) and, except serve rows
+    (throughput at a concurrency), a finite ``frac_of_roofline`` > 0."""
     import math
 
     problems: list[str] = []
@@ -276,6 +275,8 @@ def validate_rows(rows: Sequence[dict[str, Any]]) -> list[str]:
         if not any(isinstance(r.get(k), (int, float)) for k in _FIGURES):
             problems.append(f"{where}: no measured figure ({', '.join(_FIGURES)})")
         for k in _MEASURED_KEYS:
+            if r.get("bench") == "serve":  # throughput at a concurrency: no roofline of its own
+                continue
             v = r.get(k)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 problems.append(f"{where}: {k} must be a finite number > 0, got {v!r}")

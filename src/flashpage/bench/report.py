@@ -57,7 +57,7 @@ SHAPE_KEYS: dict[str, tuple[str, ...]] = {
     "decode": ("batch", "ctx", "nheads", "nheads_k", "d"),
     "prefill": ("batch", "ctx", "seqlen", "nheads", "nheads_k", "d"),
     "throughput": ("model", "batch"),
-    "serve": ("model", "batch"),
+    "serve": ("model", "concurrency", "requests"),
 }
 #: flashpage's headline row per benchmark: the variant that stands for "flashpage".
 _PRIMARY_VARIANTS = (None, "", "planner", "paged-prefill")
@@ -71,7 +71,8 @@ _BENCH_NOTES: dict[str, str] = {
     "visible pairs; % of the measured bf16 matmul peak.",
     "throughput": "Offline throughput, useful output tokens/s on the bench's request list (ignore_eos); "
     "% of the analytic roofline bound (measured bound: frac_of_measured_bound).",
-    "serve": "Online serving through the OpenAI-compatible server; output tokens/s.",
+    "serve": "Streaming completions over HTTP at fixed concurrency against flashpage serve; output tokens/s "
+    "beside offline LLM.generate of the same requests in the same run.",
 }
 _ORDER = ("attention", "decode", "prefill", "throughput", "serve")
 
@@ -185,8 +186,10 @@ def _shape_text(bench: str, key: tuple[Any, ...]) -> str:
             return (
                 f"b{v['batch']} {v['seqlen']} new + {cached} cached, h{v['nheads']}/{v['nheads_k']} d{v['d']}"
             )
-        if bench in ("throughput", "serve"):
+        if bench == "throughput":
             return f"{v['model']}, {v['batch']} requests"
+        if bench == "serve":
+            return f"{v['model']}, concurrency {v['concurrency']}, {v['requests']} requests"
     except (KeyError, TypeError, ValueError):
         pass
     return " ".join(f"{n}={x}" for n, x in v.items() if x is not None)
@@ -225,6 +228,8 @@ def bench_table(bench: str, rows: Sequence[dict[str, Any]]) -> tuple[str, list[f
     """The markdown table of one benchmark's rows; also flashpage's ratios to the best baseline (per
     line that has both) and the labels of baselines that did not run, with their reason."""
     unit = METRICS[bench][1]
+    if bench == "serve":
+        rows = _serve_rows(rows)
     labels: list[str] = []
     for r in sorted(rows, key=lambda r: (not label(r).startswith("flashpage"), label(r) != "flashpage")):
         if label(r) not in labels:
@@ -265,6 +270,22 @@ def bench_table(bench: str, rows: Sequence[dict[str, Any]]) -> tuple[str, list[f
         if not measured(r):
             not_run.setdefault(label(r), f"{r.get('status')}: {r.get('reason', '')}")
     return "\n".join(out) + "\n", ratios, [f"{k} ({v})" for k, v in not_run.items()]
+
+
+def _serve_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Serve rows as table rows: each server level, with the offline ``LLM.generate`` run of the same
+    requests (its ``offline_tokens_per_s``) as that line's baseline; failed offline runs kept."""
+    out: list[dict[str, Any]] = []
+    for r in rows:
+        if r.get("mode") == "offline":
+            if not measured(r):
+                out.append({**r, "impl": "offline LLM.generate"})
+            continue
+        out.append(r)
+        if isinstance(r.get("offline_tokens_per_s"), (int, float)):
+            keep = {k: r.get(k) for k in ("bench", "model", "concurrency", "requests", "dtype")}
+            out.append({**keep, "impl": "offline LLM.generate", "tokens_per_s": r["offline_tokens_per_s"]})
+    return out
 
 
 def bench_note(bench: str, rows: Sequence[dict[str, Any]], ratios: list[float], not_run: list[str]) -> str:
