@@ -561,10 +561,30 @@ def _cpu_prompts(n: int) -> list[str]:
     return [forms[i % len(forms)].format(subjects[i % len(subjects)]) for i in range(n)]
 
 
+def _cpu_hf_figures(prompts: list[list[int]], new: int, pad: int) -> dict[str, Any]:
+    """``transformers`` generate of ``prompts`` (one left-padded batch, ``new`` tokens each) on the
+    embedded GGUF's dequantised weights, after a warm-up: :func:`_hf_row_figures`."""
+    import transformers
+
+    from flashpage.models.loader import embedded_model_path
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = embedded_model_path("smollm2-135m-instruct")
+    t0 = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, local_files_only=True
+    ).eval()
+    _log(f"[hf-generate] loaded in {time.perf_counter() - t0:.1f} s")
+    device = torch.device("cpu")
+    _hf_generate_timed(model, prompts[:2], 4, pad, device)  # warm-up
+    r = _hf_generate_timed(model, prompts, new, pad, device)
+    return _hf_row_figures(r, len(prompts) * new, len(prompts))
+
+
 def _cpu_mode(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     from flashpage.engine.llm import LLM
     from flashpage.engine.sampling_params import SamplingParams
-    from flashpage.models.loader import embedded_model_path, load_model
+    from flashpage.models.loader import load_model
 
     n, new = (8, 16) if args.quick else (32, 64)
     device = torch.device("cpu")
@@ -618,28 +638,20 @@ def _cpu_mode(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str,
     llm.close()
     del llm
     if not args.skip_hf:
-        import transformers
+        try:
+            hf = _cpu_hf_figures(prompts, new, int(tok.eos_token_id if tok.eos_token_id is not None else 0))
+        except Exception as e:  # a baseline that cannot run is a row, never the end of the run
+            from flashpage.bench.common import failure_reason, status_row
 
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        path = embedded_model_path("smollm2-135m-instruct")
-        t0 = time.perf_counter()
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path),
-            gguf_file=os.path.basename(path),
-            dtype=torch.float32,
-            local_files_only=True,
-        ).eval()
-        _log(f"[hf-generate] loaded in {time.perf_counter() - t0:.1f} s")
-        pad = int(tok.eos_token_id if tok.eos_token_id is not None else 0)
-        _hf_generate_timed(model, prompts[:2], 4, pad, device)  # warm-up
-        r = _hf_generate_timed(model, prompts, new, pad, device)
-        hf = _hf_row_figures(r, n * new, n)
-        rows.append({**base, **hf, "impl": "hf-generate"})
-        rows[0]["speedup_vs_hf"] = fp_tps / hf["tokens_per_s"]
-        _log(
-            f"[hf-generate] {n} prompts x {new} tokens: {hf['elapsed_s']:.2f} s, {hf['tokens_per_s']:.1f} tokens/s; "
-            f"flashpage / hf = {rows[0]['speedup_vs_hf']:.2f}x"
-        )
+            rows.append(status_row("throughput", "hf-generate", "failed", failure_reason(e),
+                                   **{k: v for k, v in base.items() if k != "bench"}))  # fmt: skip
+        else:
+            rows.append({**base, **hf, "impl": "hf-generate"})
+            rows[0]["speedup_vs_hf"] = fp_tps / hf["tokens_per_s"]
+            _log(
+                f"[hf-generate] {n} prompts x {new} tokens: {hf['elapsed_s']:.2f} s, {hf['tokens_per_s']:.1f} "
+                f"tokens/s; flashpage / hf = {rows[0]['speedup_vs_hf']:.2f}x"
+            )
     from flashpage.bench.common import run_profile
     from flashpage.bench.measured_bound import measure_workload_bound
     from flashpage.roofline.intensity import workload_bound
