@@ -11,12 +11,15 @@ Every subcommand imports its machinery inside its handler, so ``flashpage --help
   ``--hardware FILE`` and ``load_profile`` accept (stdout without ``--out``).
 - ``flashpage demo [ARGS...]``: the inference demo ``flashpage.engine.demo.main(ARGS)`` on the
   embedded model (``--help`` lists its options).
-- ``flashpage bench {attention,decode,throughput,all} [--out DIR] [--quick] [ARGS...]``: runs
-  ``flashpage.bench.<name>.main(argv)`` with the remaining arguments.
+- ``flashpage bench NAME [--out DIR] [--quick] [ARGS...]``: runs the benchmark ``NAME`` of
+  ``flashpage.bench.all.REGISTRY`` (attention, decode, throughput, serve) with the remaining arguments.
+- ``flashpage bench all [--quick] [--out DIR] [--only A,B]``: ``probe``, then every benchmark this
+  machine supports (:mod:`flashpage.bench.all`).
+- ``flashpage bench report [--results DIR] [--check] [--baseline-ref REF]``: render
+  ``benchmarks/README.md`` and ``benchmarks/roofline-<gpu>.png`` from the result files and flag
+  flashpage figures more than 5% below the committed ones (:mod:`flashpage.bench.report`).
 - ``flashpage netprobe [--sizes 8,1K,..] [--iters N] [--backend nccl|gloo] [--json] [--save-profile FILE]``
   (under ``torchrun``): collective latency / bus bandwidth, NCCL's transport per peer, an RDMA verdict.
-- ``flashpage bench table FILE.json...``: rebuild the ``benchmarks/README.md`` table of result files
-  (e.g. JSON a GPU run wrote under ``--out``).
 
 Exit status: 0 on success, 2 on bad input (the message says what is wrong), 1 when a benchmark fails
 or is missing.
@@ -32,7 +35,8 @@ from typing import Any
 
 __all__ = ["build_parser", "main"]
 
-BENCHES: tuple[str, ...] = ("attention", "decode", "throughput", "serve")
+#: ``flashpage bench`` commands beside the benchmarks of ``flashpage.bench.all.REGISTRY``.
+BENCH_COMMANDS: tuple[str, ...] = ("all", "report")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,12 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench",
-        help="run a benchmark (GPU)",
-        description="Run flashpage.bench.<name>.main(argv); remaining arguments are forwarded.",
+        help="run benchmarks (GPU) and render their report",
+        description="NAME: one benchmark (attention, decode, throughput, serve; remaining arguments are "
+        "forwarded); all: probe, then every benchmark this machine supports; report: render "
+        "benchmarks/README.md and the roofline plots, compare with the committed results.",
     )
-    b.add_argument(
-        "which", choices=[*BENCHES, "all", "table"], help="benchmark to run (table: rebuild README tables)"
-    )
+    b.add_argument("which", metavar="NAME|all|report", help="benchmark name, all, or report")
     b.add_argument("--out", metavar="DIR", default=None, help="results directory (forwarded)")
     b.add_argument("--quick", action="store_true", help="small sweep (forwarded)")
     b.set_defaults(forward=True)
@@ -329,41 +333,46 @@ def _cmd_demo(extra: list[str]) -> int:
 def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
     import importlib
 
-    if args.which == "table":
-        from pathlib import Path
+    from flashpage.bench.all import REGISTRY
 
-        from flashpage.bench.common import refresh_readme_table
-
-        if not extra:
-            print("flashpage bench table: give one or more result JSON files", file=sys.stderr)
-            return 2
-        for f in extra:
-            if not Path(f).is_file():
-                print(f"flashpage bench table: no such file {f}", file=sys.stderr)
-                return 2
-            print(f"{f} -> {refresh_readme_table(Path(f))}")
-        return 0
+    names = [e.name for e in REGISTRY]
     fwd = [*(["--out", args.out] if args.out else []), *(["--quick"] if args.quick else []), *extra]
-    names = BENCHES if args.which == "all" else (args.which,)
-    rc = 0
-    for name in names:
-        modname = f"flashpage.bench.{name}"
-        try:
-            mod = importlib.import_module(modname)
-        except ModuleNotFoundError as e:
-            if e.name is not None and modname.startswith(e.name):
-                print(f"flashpage bench: {modname} is not available yet", file=sys.stderr)
-                rc = 1
-                continue
-            raise
-        rc = max(rc, int(mod.main(list(fwd)) or 0))
-    return rc
+    if args.which == "report":
+        if args.quick:
+            print("flashpage bench report: --quick does not apply", file=sys.stderr)
+            return 2
+        fwd = [*(["--results", args.out] if args.out else []), *extra]
+    elif args.which not in (*names, *BENCH_COMMANDS):
+        print(
+            f"flashpage bench: unknown benchmark {args.which!r}; choose one of "
+            f"{', '.join((*names, *BENCH_COMMANDS))}",
+            file=sys.stderr,
+        )
+        return 2
+    modname = next((e.module for e in REGISTRY if e.name == args.which), f"flashpage.bench.{args.which}")
+    try:
+        mod = importlib.import_module(modname)
+    except ModuleNotFoundError as e:
+        if e.name is not None and modname.startswith(e.name):
+            print(f"flashpage bench: {modname} is not available yet", file=sys.stderr)
+            return 1
+        raise
+    return int(mod.main(list(fwd)) or 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``flashpage`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()
-    args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if (
+        argv[:1] == ["bench"]
+        and len(argv) > 2
+        and not argv[1].startswith("-")
+        and {"-h", "--help"} & set(argv[2:])
+    ):
+        # `flashpage bench NAME --help`: the benchmark's own options, not the bench parser's.
+        return _cmd_bench(argparse.Namespace(which=argv[1], out=None, quick=False), ["--help"])
+    args, extra = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
