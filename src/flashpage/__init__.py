@@ -7,7 +7,7 @@ Public API (imported lazily so ``import flashpage`` and ``flashpage --help`` sta
   2.x compatible attention (Triton kernels on GPU, PyTorch reference path on CPU); their argument
   errors are ``FlashAttnError`` (a ``RuntimeError`` and a ``ValueError``). ``flashpage.bert_padding``
   has flash-attn's ``unpad_input`` / ``pad_input``.
-* ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput`` — the vLLM-style engine.
+* ``LLM``, ``AsyncLLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``, ``Logprob`` — the vLLM-style engine.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ _EXPORTS = {
     "flash_attn_with_kvcache": "flashpage.ops.kvcache",
     "FlashAttnError": "flashpage.ops.flash_args",
     "LLM": "flashpage.engine.llm",
+    "AsyncLLM": "flashpage.engine.async_llm",
     "SamplingParams": "flashpage.engine.sampling_params",
     "RequestOutput": "flashpage.engine.outputs",
     "CompletionOutput": "flashpage.engine.outputs",
+    "Logprob": "flashpage.engine.outputs",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

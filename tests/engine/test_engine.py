@@ -195,7 +195,10 @@ def test_request_validation(tiny_loaded: Any) -> None:
         core.add_request("x", [96], SamplingParams())
     with pytest.raises(ValueError, match="prompt"):
         core.add_request("x", "text needs a tokenizer", SamplingParams())
-    core.add_request("dup", [1, 2], SamplingParams(max_tokens=100, ignore_eos=True))
+    # Prompt + max_tokens over max_model_len is rejected (vLLM); max_tokens=None runs to the limit.
+    with pytest.raises(ValueError, match=r"max_tokens: .*max_model_len=32; lower max_tokens to at most 30"):
+        core.add_request("x", [1, 2], SamplingParams(max_tokens=31))
+    core.add_request("dup", [1, 2], SamplingParams(max_tokens=None, ignore_eos=True))
     with pytest.raises(ValueError, match="request_id"):
         core.add_request("dup", [1, 2], SamplingParams())
     (out,) = _drain(core)
@@ -289,7 +292,7 @@ def test_add_and_abort_from_another_thread_while_stepping(
     try:
         for i, p in enumerate(PROMPTS[1:], start=1):
             core.add_request(f"r{i}", p, greedy)
-        core.add_request("gone", PROMPTS[5], SamplingParams(max_tokens=500, ignore_eos=True))
+        core.add_request("gone", PROMPTS[5], SamplingParams(max_tokens=400, ignore_eos=True))
         core.abort_request("gone")
         for _ in range(2000):
             if len(done) == len(PROMPTS):

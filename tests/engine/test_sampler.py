@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from flashpage.engine.sampler import Sampler, SampleRow, apply_min_p, apply_penalties, apply_top_k_top_p
+from flashpage.engine.outputs import Logprob
+from flashpage.engine.sampler import (
+    Sampler,
+    SampleRow,
+    apply_min_p,
+    apply_penalties,
+    apply_token_bitmask,
+    apply_top_k_top_p,
+)
 from flashpage.engine.sampling_params import SamplingParams
 
 V = 12
@@ -154,3 +162,54 @@ def test_logprobs_are_raw_log_softmax() -> None:
         assert v == pytest.approx(lp[0, t].item(), abs=1e-6)
     assert list(out.logprobs[2]) == [out.token_ids[2]]
     assert out.logprobs[2][out.token_ids[2]] == pytest.approx(lp[2, out.token_ids[2]].item(), abs=1e-6)
+
+
+def test_logprobs_carry_ranks_and_stay_floats() -> None:
+    x = torch.tensor([[0.0, 3.0, 1.0, 3.0, -1.0, 2.0]])
+    row = SampleRow(SamplingParams(temperature=1.0, logprobs=3, logit_bias={4: 100}), (), ())
+    out = Sampler(torch.device("cpu")).sample(x, [row])
+    assert out.token_ids == [4]  # the bias makes token 4 all but certain
+    d = out.logprobs[0]
+    lp = x.log_softmax(-1)[0]
+    assert all(isinstance(v, Logprob) and isinstance(v, float) for v in d.values())
+    # Ranks are of the raw distribution (before the bias): ties share a rank.
+    assert {t: v.rank for t, v in d.items()} == {1: 1, 3: 1, 5: 3, 4: 6}
+    assert d[4].logprob == pytest.approx(lp[4].item()) and d[4] + 0.0 == pytest.approx(lp[4].item())
+
+
+def test_logit_bias_and_banned_tokens() -> None:
+    x = torch.zeros(3, V)
+    x[:, 2] = 5.0
+    rows = [
+        SampleRow(SamplingParams(temperature=0, logit_bias={"7": 6.0}), (), ()),
+        SampleRow(SamplingParams(temperature=0), (), (), banned=(2, V + 5)),  # ids past V are ignored
+        SampleRow(SamplingParams(temperature=0, logit_bias={2: -100}), (), ()),
+    ]
+    out = Sampler(torch.device("cpu")).sample(x.clone(), rows)
+    assert out.token_ids[0] == 7
+    assert out.token_ids[1] != 2 and out.token_ids[2] != 2
+    # Random rows never draw a banned token (0 and 1 hold 80% of the mass).
+    s = Sampler(torch.device("cpu"), seed=0)
+    many = s.sample(
+        LOGITS.expand(500, -1).clone(), [SampleRow(SamplingParams(), (), (), banned=(0, 1))] * 500
+    )
+    assert not {0, 1} & set(many.token_ids)
+
+
+def test_token_bitmask_masks_exactly_the_zero_bits() -> None:
+    v = 70  # three 32-bit words, the last one partial
+    torch.manual_seed(0)
+    allowed = torch.rand(2, v) < 0.3
+    allowed[:, 5] = True
+    bits = torch.zeros(2, 96, dtype=torch.int64)
+    bits[:, :v] = allowed.long()
+    words = (bits.view(2, 3, 32) << torch.arange(32)).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # as int32 bit patterns
+    x = torch.randn(2, v)
+    y = apply_token_bitmask(x.clone(), words)
+    assert torch.equal(torch.isinf(y), ~allowed)
+    assert torch.equal(y[allowed], x[allowed])
+    rows = [SampleRow(SamplingParams(temperature=1.0), (), ())] * 2
+    for _ in range(5):
+        toks = Sampler(torch.device("cpu")).sample(torch.randn(2, v), rows, words).token_ids
+        assert all(allowed[i, t] for i, t in enumerate(toks))

@@ -68,8 +68,10 @@ class IncrementalDetokenizer:
         self._emitted = 0  # characters of `text` handed out by `take_delta`
         self.stopped_by: str | None = None
 
-    def add_tokens(self, token_ids: Sequence[int]) -> str | None:
-        """Append generated tokens; returns the stop string matched (then text is final), else ``None``."""
+    def add_tokens(self, token_ids: Sequence[int], check_stop: bool = True) -> str | None:
+        """Append generated tokens; returns the stop string matched (then text is final), else ``None``.
+
+        ``check_stop=False`` (below ``min_tokens``) appends without looking for stop strings."""
         if self.stopped_by is not None:
             return self.stopped_by
         self._ids.extend(token_ids)
@@ -84,7 +86,7 @@ class IncrementalDetokenizer:
         self._prefix, self._read = 0, len(self._ids)
         old_len = len(self.text)
         self.text += delta
-        if self._stops:
+        if self._stops and check_stop:
             return self._check_stop(old_len)
         return None
 

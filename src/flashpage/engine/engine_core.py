@@ -28,14 +28,19 @@ import torch
 
 from flashpage.engine.detokenizer import IncrementalDetokenizer
 from flashpage.engine.model_runner import ModelRunner, RunnerConfig
-from flashpage.engine.outputs import RequestMetrics, RequestOutput
-from flashpage.engine.sampler import Sampler, SampleRow
+from flashpage.engine.outputs import Logprob, RequestMetrics, RequestOutput
+from flashpage.engine.sampler import Sampler, SampleRow, build_logprob_dict, logprobs_with_ranks
 from flashpage.engine.sampling_params import SamplingParams
 from flashpage.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from flashpage.engine.sequence import Request, Sequence, SequenceStatus
+from flashpage.engine.structured import StructuredOutputs
 from flashpage.kv.block_manager import BlockManager
 
-__all__ = ["EngineConfig", "EngineCore", "resolve_device", "resolve_dtype"]
+__all__ = ["EngineConfig", "EngineCore", "resolve_device", "resolve_dtype", "validate_messages"]
+
+# Prompt positions whose logits are materialised at once for prompt logprobs (bounds the
+# (rows, vocab) float32 temporary).
+_PROMPT_LOGITS_ROWS = 256
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -126,7 +131,7 @@ class EngineConfig:
         load_format: ``auto`` | ``safetensors`` | ``gguf`` | ``dummy``.
         enforce_eager: no CUDA graphs.
         max_model_len: longest sequence (prompt + output); default the model's context, capped to
-            what the KV cache holds.
+            what the KV cache holds; an explicit value the KV cache cannot hold is an error.
         model_config: config for ``load_format="dummy"`` or an override (ModelConfig or HF dict).
     """
 
@@ -164,6 +169,53 @@ class EngineConfig:
             raise ValueError(
                 f"load_format must be one of auto, safetensors, gguf, dummy, got {self.load_format!r}"
             )
+
+
+def validate_messages(messages: Any) -> list[dict[str, str]]:
+    """Check an OpenAI-style conversation and normalise it to ``[{"role", "content"[, "name"]}]``.
+
+    ``content`` is a string, or a list of ``{"type": "text", "text": ...}`` parts (joined with
+    newlines, as vLLM does); ``None`` is accepted for an assistant message (read as ``""``).
+
+    Raises:
+        ValueError: ``"messages[i]: ..."`` for the first bad message.
+    """
+    if not isinstance(messages, list | tuple) or not messages:
+        raise ValueError("messages: expected a non-empty list of {'role', 'content'} dicts")
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(
+                f"messages[{i}]: expected a dict with 'role' and 'content', got {type(m).__name__}"
+            )
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}]: 'role' must be a non-empty string, got {role!r}")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, list | tuple):
+            texts = []
+            for j, part in enumerate(content):
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
+                    raise ValueError(
+                        f"messages[{i}]: content[{j}] must be a {{'type': 'text', 'text': str}} part, got {part!r}"
+                    )
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        if not isinstance(content, str):
+            raise ValueError(
+                f"messages[{i}]: 'content' must be a string or a list of text parts, got {content!r}"
+            )
+        msg = {"role": role, "content": content}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
 
 
 def _percentile(xs: list[float], q: float) -> float | None:
@@ -242,6 +294,8 @@ class EngineCore:
             self.block_manager,
         )
         self.max_num_batched_tokens = mnbt
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._token_text: dict[int, str] = {}
         self._requests: dict[str, Request] = {}
         self._live_ids: set[str] = set()
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -265,6 +319,56 @@ class EngineCore:
             raise ValueError("prompt: this model has no tokenizer; pass token ids instead of text")
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+    ) -> tuple[str, list[int]]:
+        """Render one conversation through the chat template (vLLM semantics).
+
+        Args:
+            messages: ``[{"role", "content"}]`` (see :func:`validate_messages`).
+            add_generation_prompt: open an assistant turn after the messages.
+            chat_template: a Jinja template to use instead of the model's.
+            continue_final_message: leave the last message open so the model continues it (for a
+                prefilled assistant reply); exclusive with ``add_generation_prompt``.
+        Returns:
+            ``(prompt text, token ids)``; the special tokens come from the template only (the
+            tokenizer adds none, so BOS is never doubled).
+        Raises:
+            ValueError: bad messages (``"messages[i]: ..."``), both flags set, no tokenizer or template,
+                or a template that fails to render (``"chat_template: ..."``).
+        """
+        msgs = validate_messages(messages)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message: cannot be combined with add_generation_prompt=True (pass "
+                "add_generation_prompt=False to continue the final message)"
+            )
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("messages: this model has no tokenizer, so chat is unavailable")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(f"chat_template must be a string or None, got {type(chat_template).__name__}")
+        template = chat_template or (None if getattr(tok, "chat_template", None) else self.chat_template)
+        if template is None and not getattr(tok, "chat_template", None):
+            raise ValueError("chat_template: this model has no chat template; pass one")
+        try:
+            text = tok.apply_chat_template(
+                msgs,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=template,
+            )
+        except Exception as e:  # jinja2 syntax/runtime errors, or the template rejecting the roles
+            raise ValueError(f"chat_template: cannot render the messages ({type(e).__name__}: {e})") from None
+        text = str(text)
+        return text, self.encode(text, add_special_tokens=False)
+
     def add_request(
         self,
         request_id: str,
@@ -285,7 +389,10 @@ class EngineCore:
             arrival_time: ``time.perf_counter()`` of arrival (default: now).
             stream: report every step with new tokens; else only the final output.
         Raises:
-            ValueError: duplicate id, empty/too long prompt, token ids out of the vocabulary, bad params.
+            ValueError: duplicate id, empty/too long prompt, token ids out of the vocabulary, prompt +
+                ``max_tokens`` over ``max_model_len`` (``"max_tokens: ..."``), ``logit_bias`` ids out
+                of the vocabulary, a structured-output constraint that does not compile (naming the
+                ``guided_*`` field), bad params.
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -313,6 +420,17 @@ class EngineCore:
             raise ValueError(
                 f"prompt: {len(ids)} tokens leave no room for output within max_model_len={self.max_model_len}"
             )
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len={self.max_model_len}; lower max_tokens to at most {self.max_model_len - len(ids)}"
+            )
+        bad = sorted(t for t in params.logit_bias_map if t >= self.vocab_size)
+        if bad:
+            raise ValueError(
+                f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        grammar = self.structured.compile(params.guided) if params.guided is not None else None
         now = time.perf_counter()
         with self._inbox_lock:
             if request_id in self._live_ids:
@@ -330,6 +448,8 @@ class EngineCore:
                 ),
                 stream=stream,
                 tokenizer=self.tokenizer,
+                grammar=grammar,
+                prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             )
             self._inbox.append(("add", req))
 
@@ -377,6 +497,9 @@ class EngineCore:
             seq.generator = self.sampler.make_generator(seed)
         if p.logprobs is not None:
             seq.logprobs = []
+            seq.cumulative_logprob = 0.0
+        if req.grammar is not None:
+            seq.matcher = self.structured.new_matcher(req.grammar)
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(
                 self.tokenizer,
@@ -426,8 +549,11 @@ class EngineCore:
             if sched.is_empty:
                 return []
             t1 = time.perf_counter()
+            keep = [i for i, item in enumerate(sched.scheduled) if item.seq.needs_prompt_logits]
             with torch.inference_mode():
-                logits = self.runner.execute(sched.scheduled, sched.copies)
+                logits = self.runner.execute(sched.scheduled, sched.copies, keep_hidden=keep)
+                if keep:
+                    self._collect_prompt_logprobs(sched, keep)
                 t2 = time.perf_counter()
                 self.scheduler.on_computed(sched)
                 outputs = self._sample_and_update(sched, logits, t0)
@@ -436,6 +562,52 @@ class EngineCore:
             st.launch_s += t2 - t1
             self._account(sched, t0)
             return outputs
+
+    def _decorate(self, d: dict[int, Logprob]) -> dict[int, Logprob]:
+        """Fill in each entry's ``decoded_token`` (the token's own text)."""
+        if self.tokenizer is not None:
+            cache = self._token_text
+            for t, lp in d.items():
+                text = cache.get(t)
+                if text is None:
+                    text = cache[t] = str(self.tokenizer.decode([t]))
+                lp.decoded_token = text
+        return d
+
+    def _collect_prompt_logprobs(self, sched: SchedulerOutput, keep: list[int]) -> None:
+        """Prompt logprobs of the tokens predicted by the kept chunks' hidden states (row ``j`` of a
+        chunk starting at ``start`` predicts prompt token ``start + j + 1``)."""
+        for i in keep:
+            item = sched.scheduled[i]
+            seq = item.seq
+            lps = seq.request.prompt_logprobs
+            assert lps is not None
+            hidden = self.runner.last_hidden[i]
+            k = seq.params.prompt_logprobs or 0
+            lo = max(item.start, len(lps) - 1)
+            hi = min(item.start + item.num_tokens, seq.num_prompt_tokens - 1)
+            if lo != len(lps) - 1:  # positions before this chunk were never collected
+                continue
+            for a in range(lo, hi, _PROMPT_LOGITS_ROWS):
+                b = min(hi, a + _PROMPT_LOGITS_ROWS)
+                logp = (
+                    self.model.compute_logits(hidden[a - item.start : b - item.start]).float().log_softmax(-1)
+                )
+                targets = torch.tensor(seq.token_ids[a + 1 : b + 1], device=logp.device)
+                chosen, ranks, top_v, top_i = logprobs_with_ranks(logp, targets, k)
+                for j in range(b - a):
+                    d = build_logprob_dict(seq.token_ids[a + 1 + j], chosen[j], ranks[j], top_v[j], top_i[j])
+                    lps.append(self._decorate(d))
+        self.runner.last_hidden = {}
+
+    def _banned(self, seq: Sequence) -> tuple[int, ...]:
+        """EOS and stop token ids while the completion is below ``min_tokens`` (not for constrained
+        completions: their grammar decides when EOS may come)."""
+        p = seq.params
+        if p.min_tokens == 0 or seq.num_output_tokens >= p.min_tokens or seq.matcher is not None:
+            return ()
+        stops = p.stop_token_set if p.ignore_eos else p.stop_token_set | self.eos_token_ids
+        return tuple(stops)
 
     def _sample_and_update(
         self, sched: SchedulerOutput, logits: torch.Tensor, t0: float
@@ -466,12 +638,17 @@ class EngineCore:
         if forked:
             logits = logits.index_select(0, torch.tensor(row_of, device=logits.device))
         rows = [
-            SampleRow(s.params, s.token_ids[: s.num_prompt_tokens], s.output_token_ids, s.generator)
+            SampleRow(
+                s.params, s.token_ids[: s.num_prompt_tokens], s.output_token_ids, s.generator, self._banned(s)
+            )
             if s.params.has_penalties
-            else SampleRow(s.params, (), (), s.generator)
+            else SampleRow(s.params, (), (), s.generator, self._banned(s))
             for s in seqs
         ]
-        result = self.sampler.sample(logits, rows)
+        bitmask = None
+        if any(s.matcher is not None for s in seqs):
+            bitmask = self.structured.fill_bitmask([s.matcher for s in seqs], logits.device)
+        result = self.sampler.sample(logits, rows, bitmask)
         now = time.perf_counter()
         touched: dict[str, Request] = {}
         for i, (seq, tok) in enumerate(zip(seqs, result.token_ids)):
@@ -490,7 +667,7 @@ class EngineCore:
                 outputs.append(req.make_output(final=False))
         return outputs
 
-    def _append_token(self, seq: Sequence, tok: int, logprobs: dict[int, float] | None, now: float) -> None:
+    def _append_token(self, seq: Sequence, tok: int, logprobs: dict[int, Logprob] | None, now: float) -> None:
         p = seq.params
         seq.token_ids.append(tok)
         m = seq.request.metrics
@@ -501,18 +678,31 @@ class EngineCore:
         if seq.index == 0:
             m.token_times.append(now)
         if seq.logprobs is not None and logprobs is not None:
-            seq.logprobs.append(logprobs)
+            seq.logprobs.append(self._decorate(logprobs))
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + float(logprobs[tok])
         self._stats.generation_tokens += 1
-        stop_str = seq.detok.add_tokens([tok]) if seq.detok is not None else None
+        may_stop = seq.num_output_tokens > p.min_tokens
+        stop_str = seq.detok.add_tokens([tok], check_stop=may_stop) if seq.detok is not None else None
         status: SequenceStatus | None = None
-        if not p.ignore_eos and tok in self.eos_token_ids:
+        grammar_done = False
+        if seq.matcher is not None:
+            # A token the mask allowed is always accepted; the grammar ends after its EOS (or when
+            # nothing but EOS could follow and EOS is ignored).
+            accepted = seq.matcher.accept_token(tok)
+            grammar_done = not accepted or seq.matcher.is_terminated()
+        if grammar_done:
+            status = SequenceStatus.FINISHED_STOPPED
+        elif not may_stop and seq.matcher is None:
+            pass
+        elif not p.ignore_eos and tok in self.eos_token_ids:
             status = SequenceStatus.FINISHED_STOPPED
         elif tok in p.stop_token_set:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, tok
         elif stop_str is not None:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_str
-        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or (
-            seq.num_tokens >= self.max_model_len
+        if status is None and (
+            (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
+            or seq.num_tokens >= self.max_model_len
         ):
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:

@@ -7,11 +7,15 @@
     outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=32))
     llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=16))
     llm.stats()
+
+``generate`` and ``chat`` may be called from several threads at once: their requests share the
+running batch, and whichever call is stepping the engine hands the other calls their outputs.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -53,7 +57,8 @@ class LLM:
         device: ``None`` = a loaded model's own, else cuda if available, else cpu.
         load_format: ``auto`` | ``safetensors`` | ``gguf`` | ``dummy``.
         enforce_eager: disable CUDA graphs.
-        max_model_len: longest sequence (prompt + output).
+        max_model_len: longest sequence (prompt + output); default the model's context capped to what
+            the KV cache holds; an explicit value the cache cannot hold is an error.
         model_config: config for ``load_format="dummy"`` (ModelConfig or HF config dict).
     Raises:
         ValueError: a bad option (naming it) or a model that cannot be loaded.
@@ -94,6 +99,11 @@ class LLM:
         )
         self.engine = EngineCore(config)
         self._ids = itertools.count()
+        # Concurrent generate() calls: one steps the engine at a time (under _cond's lock only to
+        # hand over), finished outputs are parked in _done for the call that owns them.
+        self._cond = threading.Condition()
+        self._stepping = False
+        self._done: dict[str, RequestOutput] = {}
 
     # ------------------------------------------------------------------ helpers
 
@@ -191,25 +201,49 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        wanted = set(ids)
+        """Step the engine (or wait while another call steps it) until every request of ``ids`` is done."""
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(ids) > 1:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        cond = self._cond
         try:
-            while len(done) < len(ids):
-                outs = self.engine.step()
-                if not outs and not self.engine.has_unfinished():
-                    break
-                for o in outs:
-                    if o.finished and o.request_id in wanted:
-                        done[o.request_id] = o
-                        if bar is not None:
-                            bar.update(1)
+            with cond:
+                while True:
+                    for i in ids:
+                        if i not in done and i in self._done:
+                            done[i] = self._done.pop(i)
+                            if bar is not None:
+                                bar.update(1)
+                    if len(done) == len(ids):
+                        break
+                    if self._stepping:
+                        cond.wait()  # the stepping call notifies after each step
+                        continue
+                    self._stepping = True
+                    cond.release()
+                    try:
+                        outs = self.engine.step()
+                    finally:
+                        cond.acquire()
+                        self._stepping = False
+                        cond.notify_all()
+                    for o in outs:
+                        if o.finished:
+                            self._done[o.request_id] = o
+                    if (
+                        not outs
+                        and not self.engine.has_unfinished()
+                        and not any(i in self._done for i in ids)
+                    ):
+                        break
         except BaseException:
             self.engine.abort_request([i for i in ids if i not in done])
+            with cond:
+                for i in ids:
+                    self._done.pop(i, None)
             raise
         finally:
             if bar is not None:
@@ -219,18 +253,20 @@ class LLM:
             raise RuntimeError(f"engine stopped with {len(missing)} unfinished requests")
         return [done[i] for i in ids]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The chat prompt text of one conversation (the model's chat template)."""
-        tok = self.engine.tokenizer
-        if tok is None:
-            raise ValueError("messages: this model has no tokenizer, so chat() is unavailable")
-        template = None if getattr(tok, "chat_template", None) else self.engine.chat_template
-        if template is None and not getattr(tok, "chat_template", None):
-            raise ValueError("messages: this model has no chat template")
-        text = tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template
-        )
-        return str(text)
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+    ) -> str:
+        """The chat prompt text of one conversation (see :meth:`EngineCore.render_chat`)."""
+        return self.engine.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            continue_final_message=continue_final_message,
+        )[0]
 
     def chat(
         self,
@@ -238,20 +274,35 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation (list of ``{"role", "content"}``) or a list of them."""
+        """Generate replies to one conversation (list of ``{"role", "content"}``) or a list of them.
+
+        Args:
+            messages: a conversation or a list of conversations; ``content`` is a string or a list of
+                ``{"type": "text", "text": ...}`` parts.
+            sampling_params: as for :meth:`generate`.
+            use_tqdm: show a progress bar.
+            add_generation_prompt: open an assistant turn after the messages.
+            chat_template: a Jinja chat template instead of the model's.
+            continue_final_message: continue the last (assistant) message instead of starting a new
+                turn; exclusive with ``add_generation_prompt`` (pass ``add_generation_prompt=False``).
+        Raises:
+            ValueError: ``"messages[i]: ..."`` for a bad message, both flags set, a bad template.
+        """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages: expected a non-empty list of messages or of conversations")
-        convs = [messages] if isinstance(messages[0], dict) else messages
+        convs = [messages] if not isinstance(messages[0], list) else messages
         prompts: list[PromptInput] = []
-        for i, conv in enumerate(convs):
-            if not isinstance(conv, list) or not all(isinstance(m, dict) and "role" in m for m in conv):
-                raise ValueError(f"messages[{i}]: a conversation is a list of {{'role', 'content'}} dicts")
-            text = self.apply_chat_template(conv, add_generation_prompt)
-            # The template already holds the special tokens (BOS, turn markers).
-            prompts.append(
-                {"prompt": text, "prompt_token_ids": self.engine.encode(text, add_special_tokens=False)}
+        for conv in convs:
+            text, ids = self.engine.render_chat(
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                continue_final_message=continue_final_message,
             )
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stats(self) -> dict[str, Any]:

@@ -60,8 +60,8 @@ class RunnerConfig:
         block_size: tokens per KV block.
         max_num_seqs: most sequences per step (largest CUDA graph batch).
         max_num_batched_tokens: most tokens per step (profiling forward size).
-        max_model_len: requested longest sequence (``None``: the model's ``max_position_embeddings``);
-            capped to what the cache holds.
+        max_model_len: requested longest sequence (``None``: the model's ``max_position_embeddings``,
+            capped to what the cache holds; an explicit value the cache cannot hold is an error).
         kv_cache_bytes: explicit KV cache size, or ``None``.
         gpu_memory_utilization: fraction of GPU memory the engine may use (weights + activations + KV).
         enforce_eager: never use CUDA graphs.
@@ -155,14 +155,15 @@ def build_step_batch(scheduled: Seq[ScheduledSeq], block_size: int) -> StepBatch
         seq, start, n = item.seq, item.start, item.num_tokens
         end = start + n
         table = seq.block_table
+        skip = seq.kv_write_from  # positions below it are in shared cached blocks: write nothing
         if n == 1:
             ids.append(seq.token_ids[start])
             pos.append(start)
-            slots.append(table[start // bs] * bs + start % bs)
+            slots.append(table[start // bs] * bs + start % bs if start >= skip else -1)
         else:
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
-            slots.extend([table[t // bs] * bs + t % bs for t in range(start, end)])
+            slots.extend([table[t // bs] * bs + t % bs if t >= skip else -1 for t in range(start, end)])
             b.decode_only = False
         if start:
             b.prefix_free = False
@@ -244,6 +245,7 @@ class ModelRunner:
         self.backend = resolve_backend(self.device)
         self.profile = profile if profile is not None else _default_profile(self.device)
         self.decisions: dict[str, PhaseDecision] = {}
+        self.last_hidden: dict[int, Tensor] = {}
         self.forward_time_s = 0.0
         requested_len = config.max_model_len or int(getattr(c, "max_position_embeddings", 8192))
         requested_len = min(requested_len, int(getattr(c, "max_position_embeddings", requested_len)))
@@ -261,7 +263,14 @@ class ModelRunner:
         )
         self.kv_caches = allocate_kv_cache(self.spec, self.device)
         self.num_blocks = num_blocks
-        # The longest sequence must fit in the cache on its own (else it could never run).
+        # The longest sequence must fit in the cache on its own (else it could never run): an explicit
+        # max_model_len that does not is an error, the default is capped.
+        if config.max_model_len is not None and requested_len > num_blocks * self.block_size:
+            raise ValueError(
+                f"max_model_len: {requested_len} tokens do not fit in the KV cache, which holds "
+                f"{num_blocks * self.block_size} tokens ({num_blocks} blocks of {self.block_size} in {kv_bytes} "
+                "bytes); raise kv_cache_bytes or gpu_memory_utilization, or lower max_model_len"
+            )
         self.max_model_len = min(requested_len, num_blocks * self.block_size)
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
 
@@ -397,14 +406,24 @@ class ModelRunner:
         return cls._fill_block_table(np.zeros((len(tables), width), dtype=np.int32), tables, width)
 
     @torch.inference_mode()
-    def execute(self, scheduled: Seq[ScheduledSeq], copies: Seq[tuple[int, int]] = ()) -> Tensor:
-        """Run one step; returns ``(num_sampling_seqs, V)`` float32 logits in scheduled order."""
+    def execute(
+        self, scheduled: Seq[ScheduledSeq], copies: Seq[tuple[int, int]] = (), keep_hidden: Seq[int] = ()
+    ) -> Tensor:
+        """Run one step; returns ``(num_sampling_seqs, V)`` float32 logits in scheduled order.
+
+        Args:
+            scheduled / copies: the scheduler's plan.
+            keep_hidden: indices into ``scheduled`` whose chunk's hidden states (``(num_tokens, H)``,
+                row ``j`` at position ``start + j``) are kept in :attr:`last_hidden` (prompt
+                logprobs); such a step runs eagerly.
+        """
         if copies:
             copy_blocks(self.kv_caches, copies)
         batch = build_step_batch(scheduled, self.block_size)
         phase, choice = self._plan(batch)
         t0 = time.perf_counter()
-        if batch.decode_only and self._graphs:
+        self.last_hidden = {}
+        if batch.decode_only and self._graphs and not keep_hidden:
             g = self._find_graph(batch.num_seqs, choice.num_splits)
             if g is not None:
                 self.decisions[phase].graph_steps += 1
@@ -429,6 +448,8 @@ class ModelRunner:
         ids = self._to_device(batch.input_ids, torch.long)
         pos = self._to_device(batch.positions, torch.long)
         hidden = self.model.forward(ids, pos, self.kv_caches, meta)
+        for i in keep_hidden:
+            self.last_hidden[i] = hidden[batch.cu_seqlens_q[i] : batch.cu_seqlens_q[i + 1]]
         if len(batch.sample_rows) != batch.num_tokens:
             hidden = hidden[self._to_device(batch.sample_rows, torch.long)]
         logits = self.model.compute_logits(hidden)

@@ -8,7 +8,38 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-__all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput"]
+__all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"]
+
+
+class Logprob(float):
+    """A log-probability that is also a ``float`` (its value), shaped like vLLM's ``Logprob``.
+
+    Attributes:
+        logprob: the log-probability (``float(self)``), of the model's raw distribution.
+        rank: 1-based rank of the token in that distribution (``1`` = most likely; tokens with an
+            equal log-probability share a rank), ``None`` when unknown.
+        decoded_token: the token's text (``None`` without a tokenizer).
+    Subclassing ``float`` keeps ``{token_id: float}`` users working: ``lp + 1.0``, comparisons and
+    ``math`` functions see the value.
+    """
+
+    __slots__ = ("decoded_token", "rank")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        obj = super().__new__(cls, logprob)
+        obj.rank = rank
+        obj.decoded_token = decoded_token
+        return obj
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self) -> tuple[type, tuple[float, int | None, str | None]]:
+        return (Logprob, (float(self), self.rank, self.decoded_token))
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
 
 
 @dataclass
@@ -22,21 +53,24 @@ class CompletionOutput:
         token_ids: generated token ids (a stop token id or EOS that ended generation is included).
         finish_reason: ``"stop"`` (EOS, stop token or stop string), ``"length"`` (``max_tokens`` or
             ``max_model_len``), or ``None`` while running.
-        logprobs: per generated token, ``{token_id: logprob}`` holding the sampled token and the top
+        logprobs: per generated token, ``{token_id: Logprob}`` holding the sampled token and the top
             ``SamplingParams.logprobs`` tokens (``None`` when not requested).
         stop_reason: the stop string or stop token id that ended generation (``None`` for EOS/length).
         delta_text: text added since the previous output of this request (streaming).
         delta_token_ids: token ids added since the previous output of this request (streaming).
+        cumulative_logprob: sum of the sampled tokens' log-probabilities (``None`` unless
+            ``SamplingParams.logprobs`` is set).
     """
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     stop_reason: str | int | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -105,6 +139,9 @@ class RequestOutput:
         outputs: one :class:`CompletionOutput` per completion (``n``), ordered by index.
         finished: every completion is done.
         metrics: timing and counters of the request.
+        prompt_logprobs: per prompt token ``{token_id: Logprob}`` holding that token and the top
+            ``SamplingParams.prompt_logprobs`` tokens; the first entry is ``None`` (nothing predicts
+            it). ``None`` when not requested.
     """
 
     request_id: str
@@ -113,3 +150,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

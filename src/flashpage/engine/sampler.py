@@ -3,13 +3,16 @@
 Order of operations on the ``(N, V)`` float32 logits of one step:
 
 1. raw log-probabilities for requests that asked for ``logprobs`` (``log_softmax`` of the model's
-   logits, before any processing, as vLLM v1 reports by default);
-2. penalties: repetition (tokens seen in prompt or output: positive logits divided by the penalty,
+   logits, before any processing, as vLLM v1 reports by default), with each token's rank;
+2. logit processors: ``logit_bias`` added, the row's ``banned`` tokens (EOS and stop ids while below
+   ``min_tokens``) set to ``-inf``, and the structured-output token bitmask applied (disallowed
+   tokens ``-inf``);
+3. penalties: repetition (tokens seen in prompt or output: positive logits divided by the penalty,
    negative ones multiplied), then frequency (``- f * count``) and presence (``- p * [count > 0]``)
    over the output tokens;
-3. greedy rows (temperature 0) take the argmax here;
-4. temperature, top-k, top-p (nucleus, on the top-k-renormalised distribution), min-p;
-5. sampling by the exponential race ``argmax(probs / E)``, ``E ~ Exp(1)`` i.i.d., which draws from
+4. greedy rows (temperature 0) take the argmax here;
+5. temperature, top-k, top-p (nucleus, on the top-k-renormalised distribution), min-p;
+6. sampling by the exponential race ``argmax(probs / E)``, ``E ~ Exp(1)`` i.i.d., which draws from
    ``probs`` exactly. Rows of seeded requests draw ``E`` from their own ``torch.Generator``, so a
    seed gives the same tokens whatever else is in the batch; other rows share the engine's generator.
 
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flashpage.engine.outputs import Logprob
 from flashpage.engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -32,7 +36,10 @@ __all__ = [
     "SamplerOutput",
     "apply_min_p",
     "apply_penalties",
+    "apply_token_bitmask",
     "apply_top_k_top_p",
+    "build_logprob_dict",
+    "logprobs_with_ranks",
 ]
 
 
@@ -44,20 +51,22 @@ class SampleRow:
         params: the request's sampling parameters.
         prompt_token_ids / output_token_ids: the sequence's tokens (penalties only).
         generator: the sequence's RNG (seeded requests), else ``None``.
+        banned: token ids whose logits are set to ``-inf`` (EOS and stop ids below ``min_tokens``).
     """
 
     params: SamplingParams
     prompt_token_ids: Seq[int]
     output_token_ids: Seq[int]
     generator: torch.Generator | None = None
+    banned: Seq[int] = ()
 
 
 @dataclass
 class SamplerOutput:
-    """Sampled tokens (host ints) and, per row, ``{token: logprob}`` or ``None``."""
+    """Sampled tokens (host ints) and, per row, ``{token: Logprob}`` (with ranks) or ``None``."""
 
     token_ids: list[int]
-    logprobs: list[dict[int, float] | None] | None
+    logprobs: list[dict[int, Logprob] | None] | None
 
 
 def _padded_ids(lists: Seq[Seq[int]], pad: int, device: torch.device) -> Tensor:
@@ -123,6 +132,57 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
+    """Set to ``-inf`` (in place) every token whose bit is 0; returns ``logits``.
+
+    Args:
+        logits: ``(N, V)`` float32.
+        bitmask: ``(N, ceil(V / 32))`` int32 on the logits' device, xgrammar's layout: bit ``j % 32``
+            of word ``j // 32`` allows token ``j`` (an all-ones row, ``-1`` words, leaves a row as is).
+    """
+    n, v = logits.shape
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(n, -1)[:, :v]
+    return logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+def logprobs_with_ranks(
+    logprobs: Tensor, token_ids: Tensor, k: int
+) -> tuple[list[float], list[int], list[list[float]], list[list[int]]]:
+    """Log-probabilities of chosen tokens and of the top-``k``, with 1-based ranks.
+
+    Args:
+        logprobs: ``(N, V)`` float32 log-probabilities; token_ids: ``(N,)`` int64 chosen tokens.
+        k: how many top tokens per row (``0``: none).
+    Returns:
+        ``(chosen, chosen_rank, top_values, top_ids)`` as host lists; a rank is ``1 +`` the number of
+        tokens strictly more likely (so top tokens' ranks are their positions among distinct values).
+    """
+    chosen_t = logprobs.gather(1, token_ids.view(-1, 1))
+    rank = (logprobs > chosen_t).sum(dim=-1) + 1
+    top_v: list[list[float]] = [[] for _ in range(logprobs.shape[0])]
+    top_i: list[list[int]] = [[] for _ in range(logprobs.shape[0])]
+    if k > 0:
+        tv, ti = logprobs.topk(k, dim=-1)
+        top_v, top_i = tv.tolist(), ti.tolist()
+    return chosen_t.squeeze(1).tolist(), rank.tolist(), top_v, top_i
+
+
+def build_logprob_dict(
+    chosen_id: int, chosen: float, chosen_rank: int, top_v: Seq[float], top_i: Seq[int]
+) -> dict[int, Logprob]:
+    """``{token: Logprob}``: the top tokens (rank = 1 + tokens strictly above) and the chosen one."""
+    d: dict[int, Logprob] = {}
+    rank = 0
+    prev = None
+    for j, (t, lp) in enumerate(zip(top_i, top_v)):
+        if lp != prev:
+            rank, prev = j + 1, lp
+        d[int(t)] = Logprob(float(lp), rank)
+    d[int(chosen_id)] = Logprob(float(chosen), int(chosen_rank))
+    return d
+
+
 def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     """Mask tokens whose probability is below ``min_p * max probability`` of their row.
 
@@ -154,12 +214,14 @@ class Sampler:
         return g
 
     @torch.inference_mode()
-    def sample(self, logits: Tensor, rows: Seq[SampleRow]) -> SamplerOutput:
+    def sample(self, logits: Tensor, rows: Seq[SampleRow], bitmask: Tensor | None = None) -> SamplerOutput:
         """Sample one token per row.
 
         Args:
             logits: ``(N, V)`` float32 on ``device``, row ``i`` for ``rows[i]``.
             rows: per-row parameters.
+            bitmask: structured-output masks, ``(N, ceil(V / 32))`` int32 on ``device`` (see
+                :func:`apply_token_bitmask`; all-ones rows are unconstrained), or ``None``.
         """
         n, v = logits.shape
         if n != len(rows):
@@ -170,6 +232,7 @@ class Sampler:
         logits = logits.float()
         want_lp = [p.logprobs for p in params]
         raw_logprobs = logits.log_softmax(dim=-1) if any(k is not None for k in want_lp) else None
+        logits = self._apply_processors(logits, rows, bitmask)
 
         if any(p.has_penalties for p in params):
             dev = logits.device
@@ -194,6 +257,39 @@ class Sampler:
         if raw_logprobs is not None:
             logprobs = self._gather_logprobs(raw_logprobs, tokens, want_lp)
         return SamplerOutput(token_list, logprobs)
+
+    @staticmethod
+    def _apply_processors(logits: Tensor, rows: Seq[SampleRow], bitmask: Tensor | None) -> Tensor:
+        """``logit_bias``, ``banned`` tokens and the grammar bitmask (on a copy of ``logits``)."""
+        v = logits.shape[1]
+        bias_r: list[int] = []
+        bias_t: list[int] = []
+        bias_v: list[float] = []
+        ban_r: list[int] = []
+        ban_t: list[int] = []
+        for i, r in enumerate(rows):
+            for t, b in r.params.logit_bias_map.items():
+                bias_r.append(i)
+                bias_t.append(t)
+                bias_v.append(b)
+            for t in r.banned:
+                if t < v:
+                    ban_r.append(i)
+                    ban_t.append(t)
+        if not (bias_r or ban_r or bitmask is not None):
+            return logits
+        logits = logits.clone()
+        dev = logits.device
+        if bias_r:
+            idx = torch.tensor([bias_r, bias_t], dtype=torch.long).to(dev, non_blocking=True)
+            vals = torch.tensor(bias_v, dtype=logits.dtype).to(dev, non_blocking=True)
+            logits.index_put_((idx[0], idx[1]), vals, accumulate=True)
+        if ban_r:
+            idx = torch.tensor([ban_r, ban_t], dtype=torch.long).to(dev, non_blocking=True)
+            logits.index_put_((idx[0], idx[1]), torch.tensor(float("-inf"), device=dev))
+        if bitmask is not None:
+            apply_token_bitmask(logits, bitmask)
+        return logits
 
     def _sample_random(
         self, logits: Tensor, rows: Seq[SampleRow], params: list[SamplingParams], greedy: list[bool]
@@ -229,19 +325,13 @@ class Sampler:
     @staticmethod
     def _gather_logprobs(
         raw: Tensor, tokens: Tensor, want: list[int | None]
-    ) -> list[dict[int, float] | None]:
+    ) -> list[dict[int, Logprob] | None]:
         kmax = max(k for k in want if k is not None)
-        chosen = raw.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
-        if kmax > 0:
-            top_v, top_i = raw.topk(kmax, dim=-1)
-            top_v, top_i = top_v.tolist(), top_i.tolist()
+        chosen, ranks, top_v, top_i = logprobs_with_ranks(raw, tokens, kmax)
         token_list = tokens.tolist()
-        out: list[dict[int, float] | None] = []
-        for i, k in enumerate(want):
-            if k is None:
-                out.append(None)
-                continue
-            d = {int(t): float(lp) for t, lp in zip(top_i[i][:k], top_v[i][:k])} if k > 0 else {}
-            d[int(token_list[i])] = float(chosen[i])
-            out.append(d)
-        return out
+        return [
+            None
+            if k is None
+            else build_logprob_dict(token_list[i], chosen[i], ranks[i], top_v[i][:k], top_i[i][:k])
+            for i, k in enumerate(want)
+        ]

@@ -6,8 +6,10 @@ starts with the field name.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["MAX_LOGPROBS", "SamplingParams"]
 
@@ -51,6 +53,18 @@ class SamplingParams:
             sampled token's), ``None`` = none. Log-probabilities are of the model's raw distribution.
         skip_special_tokens: leave special tokens (EOS, chat markers) out of the text.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
+        min_tokens: EOS, ``stop_token_ids`` and stop strings cannot end a completion before this many
+            output tokens (their logits are masked to ``-inf`` until then; ``<= max_tokens``).
+        logit_bias: ``{token_id: bias}`` added to the logits before sampling, biases in
+            ``[-100, 100]`` (OpenAI semantics; ``str`` keys of ints are accepted as JSON sends them).
+            Ids are checked against the vocabulary when the request is added.
+        prompt_logprobs: number of top log-probabilities to return per prompt token (``0``: only
+            the prompt token's), ``None`` = none. The first prompt token has none (``None``).
+        guided_json: constrain the output to a JSON schema (a dict or its JSON text).
+        guided_regex: constrain the output to a regular expression.
+        guided_json_object: constrain the output to any JSON object (``response_format=json_object``).
+            At most one of the three ``guided_*`` options may be set; a constrained completion ends
+            when its grammar is complete (EOS is allowed only then).
     """
 
     n: int = 1
@@ -69,9 +83,16 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_json_object: bool = False
     # Normalised forms, filled in __post_init__.
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
     _stop_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
+    _bias: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -125,6 +146,50 @@ class SamplingParams:
             raise ValueError(
                 f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}"
             )
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        self._bias = _parse_logit_bias(self.logit_bias)
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}"
+            )
+        self._check_guided()
+
+    def _check_guided(self) -> None:
+        g = self.guided_json
+        if g is not None:
+            if isinstance(g, str):
+                try:
+                    parsed = json.loads(g)
+                except ValueError as e:
+                    raise ValueError(f"guided_json: not valid JSON ({e})") from None
+                if not isinstance(parsed, dict | bool):
+                    raise ValueError("guided_json: a JSON schema must be an object")
+            elif isinstance(g, dict):
+                try:
+                    json.dumps(g)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"guided_json: the schema is not JSON-serialisable ({e})") from None
+            else:
+                raise ValueError(
+                    f"guided_json must be a JSON schema (dict or str) or None, got {type(g).__name__}"
+                )
+        if self.guided_regex is not None and (
+            not isinstance(self.guided_regex, str) or not self.guided_regex
+        ):
+            raise ValueError(f"guided_regex must be a non-empty string or None, got {self.guided_regex!r}")
+        if not isinstance(self.guided_json_object, bool):
+            raise ValueError(f"guided_json_object must be a bool, got {self.guided_json_object!r}")
+        set_ = [n for n in ("guided_json", "guided_regex") if getattr(self, n) is not None]
+        set_ += ["guided_json_object"] if self.guided_json_object else []
+        if len(set_) > 1:
+            raise ValueError(
+                f"{set_[0]}: at most one of guided_json, guided_regex, guided_json_object, got {set_}"
+            )
 
     # ------------------------------------------------------------------ derived views
 
@@ -149,6 +214,47 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def logit_bias_map(self) -> dict[int, float]:
+        """``logit_bias`` with int keys and float values (empty when none)."""
+        return self._bias
+
+    @property
+    def guided(self) -> tuple[str, str] | None:
+        """The output constraint as ``(field name, spec)``: the schema as JSON text for
+        ``guided_json``, the pattern for ``guided_regex``, ``""`` for ``guided_json_object``;
+        ``None`` when unconstrained."""
+        if self.guided_json is not None:
+            g = self.guided_json
+            return "guided_json", g if isinstance(g, str) else json.dumps(g)
+        if self.guided_regex is not None:
+            return "guided_regex", self.guided_regex
+        if self.guided_json_object:
+            return "guided_json_object", ""
+        return None
+
+    @property
     def effective_top_k(self) -> int:
         """``top_k`` with both "off" spellings mapped to ``-1``."""
         return self.top_k if self.top_k > 0 else -1
+
+
+def _parse_logit_bias(bias: Any) -> dict[int, float]:
+    """``logit_bias`` as ``{int: float}``; keys may be ints or strings of ints (OpenAI JSON)."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias or None, got {type(bias).__name__}")
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        key = k
+        if isinstance(k, str):
+            try:
+                key = int(k)
+            except ValueError:
+                raise ValueError(f"logit_bias: key {k!r} is not a token id") from None
+        if not _is_int(key) or key < 0:
+            raise ValueError(f"logit_bias: key {k!r} is not a non-negative token id")
+        if not _is_num(v) or not -100.0 <= v <= 100.0:
+            raise ValueError(f"logit_bias: bias of token {k!r} must be a number in [-100, 100], got {v!r}")
+        out[key] = float(v)
+    return out

@@ -6,7 +6,8 @@ Every step has a token budget ``max_num_batched_tokens`` shared by all sequences
 2. **Running prefills** next: sequences part-way through their prompt get a chunk of what is left
    of the budget (chunked prefill), in arrival order.
 3. **Waiting sequences** (FCFS, at most ``max_num_seqs`` running): each is given a block table for
-   all its tokens (prefix-cache hits are shared, not recomputed) and a first chunk. The queue head
+   all its tokens (prefix-cache hits are shared, not recomputed, except for a request that asks
+   for prompt logprobs: its cached prefix is recomputed without writing K/V) and a first chunk. The queue head
    blocks the queue: a later request never overtakes an earlier one that does not fit.
 
 **Preemption by recompute**: when a running sequence needs a new KV block and none is free, the
@@ -137,6 +138,7 @@ class Scheduler:
             self.bm.free(seq.seq_id)
         seq.block_table = []
         seq.num_committed_blocks = 0
+        seq.kv_write_from = 0
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and put it at the head of the waiting queue."""
@@ -207,6 +209,11 @@ class Scheduler:
             self.waiting.popleft()
             cached = self.bm.allocate(seq.seq_id, seq.token_ids)
             seq.num_computed_tokens = cached
+            if cached and seq.needs_prompt_logits:
+                # Prompt logprobs need the hidden state of every prompt token: recompute the cached
+                # prefix too, without writing its K/V (those blocks are shared and already hold it).
+                seq.num_computed_tokens = 0
+                seq.kv_write_from = cached
             seq.block_table = self.bm.block_table(seq.seq_id)
             seq.num_committed_blocks = cached // self.block_size
             if seq.num_preemptions == 0:

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from flashpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from flashpage.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from flashpage.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -61,7 +61,11 @@ class Sequence:
             another preemption until it has generated a token since (no-thrash policy).
         pending_forks: completions still to fork from this one when its prefill finishes.
         detok: incremental detokenizer (``None`` without a tokenizer).
-        logprobs: per generated token ``{token_id: logprob}`` (when requested).
+        logprobs: per generated token ``{token_id: Logprob}`` (when requested).
+        cumulative_logprob: sum of the sampled tokens' log-probabilities (when logprobs requested).
+        matcher: the structured-output grammar matcher (constrained requests), else ``None``.
+        kv_write_from: tokens below this position are computed but their K/V not written (they sit in
+            shared prefix-cache blocks); set when a request needs prompt logits despite a cache hit.
         finish_reason / stop_reason: why it ended.
         token_times: when each output token was sampled.
         sent_tokens: output tokens already reported to a streaming caller.
@@ -81,7 +85,10 @@ class Sequence:
     tokens_at_preemption: int = -1
     pending_forks: int = 0
     detok: IncrementalDetokenizer | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    matcher: Any = None
+    kv_write_from: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     token_times: list[float] = field(default_factory=list)
@@ -106,6 +113,12 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether prompt log-probabilities are requested and not all collected yet."""
+        lps = self.request.prompt_logprobs
+        return self.index == 0 and lps is not None and len(lps) < self.num_prompt_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -145,6 +158,8 @@ class Request:
         stream: report an output every step with new tokens (else only when finished).
         seqs: completions created so far, by index.
         tokenizer: for the per-completion detokenizers (``None``: no text).
+        grammar: the compiled structured-output constraint (``None``: unconstrained).
+        prompt_logprobs: per prompt token collected so far (the first is ``None``), when requested.
     """
 
     request_id: str
@@ -156,6 +171,8 @@ class Request:
     stream: bool = False
     seqs: list[Sequence] = field(default_factory=list)
     tokenizer: Any = None
+    grammar: Any = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -184,6 +201,7 @@ class Request:
                     stop_reason=s.stop_reason,
                     delta_text=delta,
                     delta_token_ids=delta_ids,
+                    cumulative_logprob=s.cumulative_logprob,
                 )
             )
         return RequestOutput(
@@ -193,4 +211,5 @@ class Request:
             outputs=outs,
             finished=self.finished,
             metrics=self.metrics,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
         )
