@@ -308,10 +308,21 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
 
     def _probe_sampler(self, logits: torch.Tensor) -> None:
-        """Run the sampler's heaviest path once (memory profiling): temperature, top-k/p, min-p."""
-        p = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.1)
+        """Run the sampler's heaviest path once (memory profiling): logprobs, logit bias, a grammar
+        bitmask on every row, penalties, temperature, top-k/p, min-p."""
+        p = SamplingParams(
+            temperature=0.8,
+            top_p=0.9,
+            top_k=50,
+            min_p=0.05,
+            presence_penalty=0.1,
+            logprobs=5,
+            logit_bias={0: 1.0},
+        )
         rows = [SampleRow(p, [0], [0]) for _ in range(logits.shape[0])]
-        self.sampler.sample(logits, rows)
+        words = -(-logits.shape[1] // 32)
+        bitmask = torch.full((logits.shape[0], words), -1, dtype=torch.int32, device=logits.device)
+        self.sampler.sample(logits, rows, bitmask)
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenize ``prompt`` with the model's tokenizer."""
