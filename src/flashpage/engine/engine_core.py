@@ -692,18 +692,17 @@ class EngineCore:
             seq.logprobs.append(self._decorate(logprobs))
             seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + float(logprobs[tok])
         self._stats.generation_tokens += 1
+        # Below min_tokens nothing ends the completion (a constrained one: only its grammar).
         may_stop = seq.num_output_tokens > p.min_tokens
         stop_str = seq.detok.add_tokens([tok], check_stop=may_stop) if seq.detok is not None else None
         status: SequenceStatus | None = None
-        grammar_done = False
         if seq.matcher is not None:
-            # A token the mask allowed is always accepted; the grammar ends after its EOS (or when
-            # nothing but EOS could follow and EOS is ignored).
-            accepted = seq.matcher.accept_token(tok)
-            grammar_done = not accepted or seq.matcher.is_terminated()
-        if grammar_done:
-            status = SequenceStatus.FINISHED_STOPPED
-        elif not may_stop and seq.matcher is None:
+            may_stop = True
+            # The grammar ends once it accepted a stop token (EOS only comes when it is complete); a
+            # token it rejects (the mask does not allow one) ends the completion too.
+            if not seq.matcher.accept_token(tok) or seq.matcher.is_terminated():
+                status = SequenceStatus.FINISHED_STOPPED
+        if status is not None or not may_stop:
             pass
         elif not p.ignore_eos and tok in self.eos_token_ids:
             status = SequenceStatus.FINISHED_STOPPED
