@@ -125,8 +125,9 @@ def tiny_tok(smollm: Any) -> Any:
     from flashpage.models.loader import load_model
 
     cfg = tiny_config(vocab_size=smollm.config.vocab_size, eos_token_ids=tuple(smollm.config.eos_token_ids))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # there the bitmask is applied on the GPU
     loaded = load_model(
-        "tiny-tok", dtype=torch.float32, device="cpu", load_format="dummy", config=cfg, seed=2
+        "tiny-tok", dtype=torch.float32, device=device, load_format="dummy", config=cfg, seed=2
     )
     loaded.model.init_random_(0.2, seed=2)
     return dataclasses.replace(loaded, tokenizer=smollm.tokenizer, chat_template=smollm.chat_template)

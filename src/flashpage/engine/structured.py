@@ -102,6 +102,4 @@ class StructuredOutputs:
         for i, m in enumerate(matchers):
             if m is not None:
                 m.fill_next_token_bitmask(mask, i)
-        if device.type == "cuda":
-            return mask.pin_memory().to(device, non_blocking=True)
         return mask.to(device)
