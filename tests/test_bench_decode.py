@@ -23,9 +23,13 @@ def test_smoke_run_writes_default_config_rows(tmp_path: Path) -> None:
     assert main(["--smoke", "--out", str(tmp_path)]) == 0  # 0: every implementation matched SDPA
     (path,) = tmp_path.glob("decode-*.json")
     data = json.loads(path.read_text())
-    env, rows = data["env"], data["rows"]
-    for key in ("gpu", "torch", "triton", "date", "git_commit", "copy_tbps"):
+    env, rows = data["env"], list(data["rows"])
+    assert {r["bench"] for r in rows} == {"decode"}
+    (prefill_path,) = tmp_path.glob("prefill-*.json")  # one file per (bench, GPU)
+    rows += json.loads(prefill_path.read_text())["rows"]
+    for key in ("gpu", "torch", "triton", "date", "git_commit", "copy_tbps", "profile"):
         assert key in env, key
+    assert all(r["frac_of_roofline"] > 0 for r in rows if not r.get("status"))
     decode = [r for r in rows if r["bench"] == "decode" and r["impl"] == "flashpage"]
     shapes = {(r["batch"], r["ctx"], r["nheads"], r["nheads_k"], r["d"]) for r in decode}
     assert len(shapes) == 2
@@ -71,7 +75,7 @@ def test_rows_are_timed_round_robin(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert len(calls) == 3  # one per decode shape, one per prefill shape
     for n, seen in calls:
         assert n >= 2 and len(seen) == 2 * n and seen[:n] == seen[n:] and len(set(seen)) == n
-    rows = json.loads(next(tmp_path.glob("decode-*.json")).read_text())["rows"]
+    rows = [r for f in sorted(tmp_path.glob("*-*.json")) for r in json.loads(f.read_text())["rows"]]
     assert {r["bench"] for r in rows} == {"decode", "prefill"}
     assert all(len(r["ms_rounds"]) == 2 and r["ms"] == min(r["ms_rounds"]) for r in rows)
     paged = next(r for r in rows if r.get("variant") == "paged-prefill")

@@ -104,24 +104,6 @@ def test_probe_quick_cpu_writes_loadable_profile(tmp_path: Path, capsys: pytest.
     assert prof.name == "cpu" and prof.peak("fp32") > 0 and prof.hbm_bandwidth > 0
 
 
-def test_bench_table_rebuilds_readme_from_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from flashpage.bench.common import refresh_readme_table, write_results
-
-    env = {"gpu": "cpu", "torch": "t", "triton": "x", "date": "d", "git_commit": "c"}
-    rows = [{"bench": "toy", "impl": "flashpage", "ms": 1.5, "extra": 7}]
-    path = write_results("toy", rows, env, table_columns=["impl", "ms"], out_dir=tmp_path, note="a note")
-    readme = tmp_path / "README.md"
-    name = path.stem  # toy-<this machine's gpu slug>
-    readme.write_text(f"# B\n\n<!-- bench:{name} -->\nold\n<!-- /bench:{name} -->\nkept\n")
-    refresh_readme_table(path, readme)
-    text = readme.read_text()
-    assert "old" not in text and "kept" in text and "a note" in text
-    assert "| impl | ms |" in text and "| flashpage | 1.5 |" in text and "extra" not in text
-    assert main(["bench", "table"]) == 2
-    assert main(["bench", "table", str(tmp_path / "missing.json")]) == 2
-    assert "no such file" in capsys.readouterr().err
-
-
 def test_demo_and_bench_forward_their_arguments(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -138,17 +120,23 @@ def test_demo_and_bench_forward_their_arguments(
         return m
 
     monkeypatch.setitem(sys.modules, "flashpage.engine.demo", fake("demo", None))
-    for b in ("attention", "decode", "throughput"):
+    from flashpage.bench.all import REGISTRY
+
+    for b in ("attention", "decode", "throughput", "all", "report"):
         monkeypatch.setitem(sys.modules, f"flashpage.bench.{b}", fake(b, 3 if b == "decode" else 0))
+    sys.modules["flashpage.bench.all"].REGISTRY = REGISTRY  # type: ignore[attr-defined]
     assert main(["demo", "--model", "x", "--max-tokens", "4"]) == 0
     assert main(["bench", "attention", "--quick", "--out", "res", "--seqlens", "128"]) == 0
-    assert main(["bench", "all", "--quick"]) == 3  # the worst exit status of the three
+    assert main(["bench", "decode"]) == 3
+    assert main(["bench", "all", "--quick", "--out", "res"]) == 0
+    assert main(["bench", "report", "--out", "res", "--check"]) == 0
+    assert main(["bench", "nope"]) == 2
     assert calls == [
         ("demo", ["--model", "x", "--max-tokens", "4"]),
         ("attention", ["--out", "res", "--quick", "--seqlens", "128"]),
-        ("attention", ["--quick"]),
-        ("decode", ["--quick"]),
-        ("throughput", ["--quick"]),
+        ("decode", []),
+        ("all", ["--out", "res", "--quick"]),
+        ("report", ["--results", "res", "--check"]),
     ]
 
 

@@ -4,7 +4,7 @@ Public API (imported lazily so ``import flashpage`` and ``flashpage --help`` sta
 
 * ``flash_attn_func``, ``flash_attn_varlen_func``, ``flash_attn_with_kvcache`` — flash-attn 2.x
   compatible attention (Triton kernels on GPU, PyTorch reference path on CPU).
-* ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``, ``Logprob`` — the vLLM-style engine.
+* ``LLM``, ``AsyncLLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``, ``Logprob`` — the vLLM-style engine.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ _EXPORTS = {
     "flash_attn_varlen_func": "flashpage.ops.flash_attn",
     "flash_attn_with_kvcache": "flashpage.ops.kvcache",
     "LLM": "flashpage.engine.llm",
+    "AsyncLLM": "flashpage.engine.async_llm",
     "SamplingParams": "flashpage.engine.sampling_params",
     "RequestOutput": "flashpage.engine.outputs",
     "CompletionOutput": "flashpage.engine.outputs",

@@ -98,8 +98,10 @@ def test_from_hf_config_qwen2_and_mistral() -> None:
     cfg = ModelConfig.from_hf_config(qwen)
     assert cfg == BUILTIN_CONFIGS["qwen2-0.5b"]
     assert cfg.attention_bias and not cfg.attention_out_bias and cfg.sliding_window is None
-    with pytest.raises(ValueError, match="some layers"):
-        ModelConfig.from_hf_config({**qwen, "use_sliding_window": True})
+    mixed = ModelConfig.from_hf_config({**qwen, "use_sliding_window": True})  # layers >= 21 slide
+    assert mixed.sliding_window == 32768 and mixed.layer_types is not None
+    assert [mixed.is_sliding_layer(i) for i in (0, 20, 21, 23)] == [False, False, True, True]
+    assert mixed.layer_window(23) == (32767, 0) and mixed.layer_window(0) == (-1, -1)
     mistral = BUILTIN_CONFIGS["mistral-7b"].to_hf_config()
     assert mistral["sliding_window"] == 4096
     assert ModelConfig.from_hf_config(mistral) == BUILTIN_CONFIGS["mistral-7b"]
@@ -180,3 +182,37 @@ def test_rope_freq_factors_divide_inv_freq() -> None:
     scaled, _ = rope_inv_freq(cfg.replace(rope_scaling={"rope_type": "freq_factors", "factors": factors}))
     plain, _ = rope_inv_freq(cfg)
     torch.testing.assert_close(scaled, plain / torch.tensor(factors))
+
+
+def test_new_builtins_match_their_hf_configs() -> None:
+    """Qwen3-0.6B and Gemma 3 1B as their config.json files read; sizes as published (0.6B, 1.0B)."""
+    from flashpage.roofline.model_shapes import get_model_shape
+
+    qwen3 = {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+        "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": 1024, "intermediate_size": 3072, "max_position_embeddings": 40960,
+        "max_window_layers": 28, "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+        "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": 151936,
+    }  # fmt: skip
+    cfg = ModelConfig.from_hf_config(qwen3)
+    assert cfg == get_builtin_config("qwen3-0.6b").replace(eos_token_ids=(151645,))
+    assert cfg.qk_norm and 0.59e9 < cfg.num_params() < 0.60e9
+    shape = get_model_shape("qwen3-0.6b")
+    assert (shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.head_dim) == (1024, 28, 16, 8, 128)
+    gemma3 = {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
+        "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": [1, 106],
+        "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 1152, "intermediate_size": 6912, "max_position_embeddings": 32768,
+        "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+        "vocab_size": 262144,
+    }  # fmt: skip
+    g = ModelConfig.from_hf_config(gemma3)
+    assert g == get_builtin_config("gemma-3-1b-it")
+    assert [i for i in range(26) if not g.is_sliding_layer(i)] == [5, 11, 17, 23]
+    assert 0.99e9 < g.num_params() < 1.01e9
+    assert 2.6e9 < get_builtin_config("gemma-2-2b").num_params() < 2.7e9

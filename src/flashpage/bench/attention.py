@@ -19,7 +19,10 @@ Backward time = ``torch.autograd.grad`` of a retained graph (the backward kernel
 every implementation is checked first, then timed in ``--rounds`` round-robin rounds (default 2: all
 implementations once, then all again), so the GPU's clock drift under its power cap and temperature
 reaches each alike; a row's ``ms`` is its fastest round, ``ms_rounds`` lists every round.
-``frac_of_roofline`` = TFLOP/s over the bf16 matmul peak measured in the same run (8192^3);
+``frac_of_roofline`` (:func:`flashpage.bench.common.roofline_fraction`): of the roofline of the
+profile ``--profile`` names (``flashpage bench all`` passes the one ``probe`` measured in the same
+run; default: this device probed now), with bytes = q, k, v read and o written forward, q, k, v, o,
+dO read and dq, dk, dv written backward (attention is compute-bound here: TFLOP/s over the bf16 peak);
 ``ratio_vs_sdpa_flash`` = TFLOP/s over SDPA-flash's on the same row. Every implementation's output and
 gradients are compared with SDPA-flash's before timing (``max_err``; a failing flashpage check makes
 the exit status 1).
@@ -31,9 +34,9 @@ longest length stands for all longer ones) as the ``HOPPER_FWD`` / ``HOPPER_BWD`
 flash_configs.py.
 
 GPU: ``PYTHONUNBUFFERED=1 PYTHONPATH=src python3 -m flashpage.bench.attention [--quick] [--variants]``
-(``--quick``: d=128, seqlen 4k / 16k). ``--smoke`` runs tiny shapes on any device (CPU: the Triton
-interpreter) to check the script itself. Writes ``benchmarks/results/attention-<gpu>.json`` and the
-table in ``benchmarks/README.md``.
+(``--quick``: d=128, seqlen 4k, one round). ``--smoke`` runs tiny shapes on any device (CPU: the Triton
+interpreter) to check the script itself. Writes ``benchmarks/results/attention-<gpu>.json``
+(``flashpage bench report`` renders the tables).
 """
 
 from __future__ import annotations
@@ -53,7 +56,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashpage.bench.common import env_info, graph_ms, round_robin, write_results
+from flashpage.bench.common import (
+    env_info,
+    failure_reason,
+    graph_ms,
+    make_timer,
+    roofline_fraction,
+    round_robin,
+    run_profile,
+    status_row,
+    write_results,
+)
 
 TABLE_COLUMNS = [
     "impl",
@@ -106,7 +119,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         dims, seqs, total, model = (32,), (32, 64), 128, 64
     else:
         dims = (128,) if args.quick else (64, 128, 256)
-        seqs = (4096, 16384) if args.quick else (1024, 4096, 16384)
+        seqs = (4096,) if args.quick else (1024, 4096, 16384)
         total, model = 16384, 2048
     if args.head_dims:
         dims = tuple(int(x) for x in args.head_dims.split(","))
@@ -119,40 +132,19 @@ def _settings(args: argparse.Namespace) -> Settings:
         for s in seqs
     ]
     flex_dims = () if args.no_flex else (dims if args.flex_all else tuple(d for d in dims if d == 128))
-    budget = args.budget_s if args.budget_s else (420.0 if args.quick else 540.0)
+    budget = args.budget_s if args.budget_s else (120.0 if args.quick else 540.0)
     # 100 ms of warm-up per timing: a row timed right after a compile (GPU idle, clocks down) came out
     # 20-40% slow at 1k tokens with 25 ms (H200, 2026-12-03: kernel_ms, timed later, did not).
     tutorial_dims = dims if args.tutorial_all or args.smoke else tuple(d for d in dims if d == 128)
-    rounds = max(1, args.rounds if args.rounds is not None else (1 if args.smoke else 2))
+    rounds = max(1, args.rounds if args.rounds is not None else (1 if args.smoke or args.quick else 2))
     return Settings(shapes, 100, 100, flex_dims, budget, args.smoke, tutorial_dims, rounds)
 
 
-def _timer(device: torch.device, warmup_ms: int, rep_ms: int) -> Callable[[Callable[[], Any]], float]:
-    """Median ms: triton's do_bench on CUDA, a few perf_counter repetitions on CPU (smoke only)."""
-    if device.type == "cuda":
-        from flashpage.bench.common import do_bench_ms
-
-        return lambda fn: do_bench_ms(fn, warmup=warmup_ms, rep=rep_ms)
-
-    def cpu_time(fn: Callable[[], Any]) -> float:
-        fn()
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return sorted(ts)[1]
-
-    return cpu_time
-
-
-def matmul_peak_tflops(device: torch.device, time_ms: Callable[[Callable[[], Any]], float]) -> float:
-    """bf16 ``8192^3`` matmul TFLOP/s (CPU smoke: float32 256^3)."""
-    n, dt = (8192, torch.bfloat16) if device.type == "cuda" else (256, torch.float32)
-    a = torch.randn(n, n, device=device, dtype=dt)
-    b = torch.randn(n, n, device=device, dtype=dt)
-    ms = time_ms(lambda: a @ b)
-    return 2.0 * n**3 / ms / 1e9
+def attention_bytes(shape: Shape, pas: str, elt: int) -> float:
+    """HBM bytes a fused attention pass must move at least: forward q, k, v read and o written (4
+    tensors), backward q, k, v, o, dO read and dq, dk, dv written (8); ``elt`` bytes per element."""
+    n = shape.batch * shape.seqlen * shape.nheads * shape.d * elt
+    return (4 if pas == "fwd" else 8) * n
 
 
 # ------------------------------------------------------------------------------------------------
@@ -326,7 +318,7 @@ def bench_shape(
     st: Settings,
     device: torch.device,
     time_ms: Callable[[Callable[[], Any]], float],
-    flex: _Flex | None,
+    flex: _Flex | str | None,
     deadline: float,
 ) -> tuple[list[dict[str, Any]], bool, list[str]]:
     from flashpage.ops.flash_attn import flash_attn_func
@@ -351,16 +343,29 @@ def bench_shape(
         )
     ]  # type: ignore[arg-type]
     impls += sdpa
+    shape_fields = {"dtype": "bfloat16" if dtype == torch.bfloat16 else str(dtype).removeprefix("torch."),
+                    "batch": shape.batch, "seqlen": shape.seqlen, "nheads": shape.nheads,
+                    "nheads_k": shape.nheads, "d": shape.d, "causal": shape.causal}  # fmt: skip
+    status_rows: list[dict[str, Any]] = []
     fa = _flash_attn_impl(q, k, v, shape.causal)
     if fa is not None:
         impls.append(fa)
+    elif device.type == "cuda":
+        status_rows.append(
+            status_row("attention", "flash-attn", "missing", "flash_attn is not importable", **shape_fields)
+        )
     if shape.d in st.tutorial_dims:
         impls += _tutorial_impls(t["qt"], t["kt"], t["vt"], shape.causal, st.smoke)
-    if flex is not None and shape.d in st.flex_dims:
-        if time.perf_counter() < deadline:
+    if shape.d in st.flex_dims and device.type == "cuda":
+        if isinstance(flex, str):
+            status_rows.append(status_row("attention", "flex", "missing", flex, **shape_fields))
+        elif flex is not None and time.perf_counter() < deadline:
             impls.append(flex.impl(t["qt"], t["kt"], t["vt"], shape.causal))
         else:
             notes.append(f"flex skipped at d={shape.d} s={shape.seqlen} causal={shape.causal}: time budget")
+            status_rows.append(
+                status_row("attention", "flex", "missing", "skipped: time budget spent", **shape_fields)
+            )
     rows: list[dict[str, Any]] = []
     flashpage_ok = True
     # Every implementation is checked, then timed in st.rounds round-robin rounds, so a drift of the
@@ -372,6 +377,7 @@ def bench_shape(
         msg = f"{impl.name} d={shape.d} s={shape.seqlen} causal={shape.causal}: {type(e).__name__}: {str(e)[:160]}"
         print("  FAILED " + msg, flush=True)
         notes.append(msg)
+        status_rows.append(status_row("attention", impl.name, "failed", failure_reason(e), **shape_fields))
         if impl.name == "flashpage":
             flashpage_ok = False
 
@@ -403,7 +409,7 @@ def bench_shape(
     for row in rows:
         if row["pass"] in base:
             row["ratio_vs_sdpa_flash"] = row["tflops"] / base[row["pass"]]
-    return rows, flashpage_ok, notes
+    return rows + status_rows, flashpage_ok, notes
 
 
 def _add_kernel_times(
@@ -573,6 +579,7 @@ def _config_literal(cfg: Any) -> str:
 # Main
 # ------------------------------------------------------------------------------------------------
 def _print_table(rows: list[dict[str, Any]]) -> None:
+    rows = [r for r in rows if not r.get("status")]
     keyed: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = {}
     for r in rows:
         keyed.setdefault((r["d"], r["seqlen"], r["causal"], r["pass"]), {})[r["impl"]] = r
@@ -600,7 +607,11 @@ def _section(name: str) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns 0 when flashpage matched SDPA on every shape, 1 otherwise, 2 on bad use."""
     parser = argparse.ArgumentParser(prog="flashpage bench attention", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="d=128, seqlen 4k/16k only (< 8 min on an H200)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="d=128, seqlen 4k, one timing round (about 2 min on an H100/H200)",
+    )
     parser.add_argument("--variants", action="store_true", help="also time every tile config / TMA on-off")
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes on any device (CPU: Triton interpreter)"
@@ -625,6 +636,12 @@ def main(argv: list[str] | None = None) -> int:
         "fastest (default 2, smoke 1)",
     )
     parser.add_argument(
+        "--profile",
+        default=None,
+        help="hardware profile JSON frac_of_roofline is of (flashpage bench all passes the one probe "
+        "measured); default: this device probed now",
+    )
+    parser.add_argument(
         "--out", "--out-dir", dest="out_dir", type=Path, default=None, help="results directory"
     )
     args = parser.parse_args(argv)
@@ -639,22 +656,26 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("FLASHPAGE_BACKEND", "triton")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     st = _settings(args)
-    time_ms = _timer(device, st.warmup_ms, st.rep_ms)
-    sweep_ms = _timer(device, 10, 40)
+    time_ms = make_timer(device, st.warmup_ms, st.rep_ms)
+    sweep_ms = make_timer(device, 10, 40)
     t_start = time.perf_counter()
     deadline = t_start + st.budget_s
     torch.manual_seed(0)
-    peak = matmul_peak_tflops(device, time_ms)
+    profile = run_profile(args.profile, quick=args.quick or args.smoke)
+    elt = 2 if device.type == "cuda" else 4
     print(
-        f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}: matmul peak {peak:.0f} TFLOP/s",
+        f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}: roofline {profile.name}, "
+        f"peak {profile.peak('bf16' if device.type == 'cuda' else 'fp32') / 1e12:.0f} TFLOP/s, "
+        f"{profile.hbm_bandwidth / 1e12:.2f} TB/s",
         flush=True,
     )
-    flex = None
+    flex: _Flex | str | None = None
     if st.flex_dims and device.type == "cuda":
         try:
             flex = _Flex()
         except Exception as e:
             print(f"flex unavailable: {e}", flush=True)
+            flex = f"FlexAttention unavailable: {failure_reason(e)}"
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     all_ok = True
@@ -665,7 +686,13 @@ def main(argv: list[str] | None = None) -> int:
         with _section("shape"):
             r, ok, n = bench_shape(shape, st, device, time_ms, flex, deadline)
         for row in r:
-            row["frac_of_roofline"] = row["tflops"] / peak
+            if row.get("status"):
+                print(f"  {row['impl']:15s} {row['status']}: {row['reason']}", flush=True)
+                continue
+            flops = row["tflops"] * row["ms"] * 1e9
+            row["frac_of_roofline"] = roofline_fraction(
+                flops, attention_bytes(shape, row["pass"], elt), row["ms"] * 1e-3, profile
+            )
             print(f"  {row['impl']:15s} {row['pass']} {row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s "
                   f"x{row.get('ratio_vs_sdpa_flash', float('nan')):.2f} err {row['max_err']:.1e}", flush=True)  # fmt: skip
         rows += r
@@ -698,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if autotune_enabled():
         print_autotuned_table(max(s.seqlen for s in st.shapes))
-    env = env_info(peak, None)
+    env = env_info(None, None, profile=profile)
     note = (
         "16k tokens total, model dim 2048, bf16; TFLOP/s from 4*b*h*s^2*d (/2 causal), bwd 2.5x fwd; "
         "ratio_vs_sdpa_flash per row; max_err = relative max error vs SDPA-flash (grads: worst of dq/dk/dv)."
@@ -708,8 +735,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out_dir
     if st.smoke and out_dir is None:  # a script check, not a result: keep it out of benchmarks/
         out_dir = Path(tempfile.mkdtemp(prefix="flashpage-attn-smoke-"))
-    columns = None if st.smoke else TABLE_COLUMNS  # smoke runs never touch benchmarks/README.md
-    path = write_results("attention", rows, env, table_columns=columns, out_dir=out_dir, note=note)
+    path = write_results("attention", rows, env, table_columns=TABLE_COLUMNS, out_dir=out_dir, note=note)
     print(f"\nwrote {path} ({time.perf_counter() - t_start:.0f} s)", flush=True)
     return 0 if all_ok else 1
 

@@ -1,22 +1,31 @@
-"""Shared plumbing for benchmarks: environment record, result files, markdown tables.
+"""Shared plumbing for benchmarks: environment record, roofline of this machine, result files.
 
 Every benchmark writes ``benchmarks/results/<bench>-<gpu>.json`` as one object
-``{"env": {...}, "rows": [...]}`` (DESIGN.md "Benchmark results") and refreshes its table in
-``benchmarks/README.md`` between ``<!-- bench:<name> -->`` markers.
+``{"env": {...}, "rows": [...]}`` (DESIGN.md "Benchmark results"); ``flashpage bench report``
+renders ``benchmarks/README.md`` from those files. Rows are validated by :func:`validate_rows`: a
+measured row carries ``frac_of_roofline`` (:func:`roofline_fraction`, against the profile measured on
+the GPU it ran on, :func:`run_profile`); a baseline that is missing or failed is a row with ``status``
+(``"missing"`` / ``"failed"``) and ``reason`` (:func:`status_row`), never dropped.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import json
 import os
 import re
 import subprocess
+import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from flashpage.roofline.hardware import HardwareProfile
 
 
 def repo_root() -> Path:
@@ -67,7 +76,7 @@ def ptxas_version() -> str | None:
     Kernel speed depends on it as much as on the triton version: triton 3.9 compiles sm_90 with its
     bundled CUDA 13.4 ``ptxas-blackwell`` (3.6: its CUDA 12.8 ``ptxas``), and one H100 run of 3.9
     with a CUDA 12.9 ptxas read the flash varlen kernel 15% slower than with its own
-    (benchmarks/README.md, "Triton 3.9 on the GPU")."""
+    (docs/perf-notes.md, "Triton 3.9 on the GPU")."""
     if not torch.cuda.is_available():
         return None
     try:
@@ -81,12 +90,16 @@ def ptxas_version() -> str | None:
     return found[1] if found else (text.strip().splitlines() or [None])[-1]
 
 
-def env_info(peak_tflops: float | None, peak_tbps: float | None) -> dict[str, Any]:
-    """The ``env`` object of a result file. Peaks are the measured (or profile) roofline ceilings.
-    Beyond DESIGN.md's fields: ``ptxas`` (:func:`ptxas_version`)."""
+def env_info(
+    peak_tflops: float | None, peak_tbps: float | None, profile: HardwareProfile | None = None
+) -> dict[str, Any]:
+    """The ``env`` object of a result file. Peaks are the measured roofline ceilings (bf16 matmul
+    TFLOP/s, copy TB/s); with ``profile`` given they are its figures and the datasheet's sit beside
+    them. Beyond DESIGN.md's fields: ``ptxas`` (:func:`ptxas_version`), and with a profile
+    ``profile`` (its name) and ``datasheet`` (``{"profile", "peak_tflops", "peak_tbps"}`` or None)."""
     import triton
 
-    return {
+    env: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -97,6 +110,177 @@ def env_info(peak_tflops: float | None, peak_tbps: float | None) -> dict[str, An
         "peak_tbps": peak_tbps,
         "ptxas": ptxas_version(),
     }
+    if profile is not None:
+        env["peak_tflops"], env["peak_tbps"] = profile_peaks(profile)
+        env["profile"] = profile.name
+        sheet = datasheet_for(profile)
+        env["datasheet"] = (
+            None
+            if sheet is None
+            else {
+                "profile": sheet.name,
+                "peak_tflops": profile_peaks(sheet)[0],
+                "peak_tbps": profile_peaks(sheet)[1],
+            }
+        )
+    return env
+
+
+# ------------------------------------------------------------------------------------------------
+# The roofline of the machine a benchmark runs on
+# ------------------------------------------------------------------------------------------------
+def compute_dtype_key(profile: HardwareProfile) -> str:
+    """The dtype key whose peak stands for "compute" in frac_of_roofline: bf16 on GPUs (every GPU
+    benchmark runs bf16; a GPU profile has a tf32 path), fp32 on CPUs (where the smoke runs compute
+    in fp32), bf16 when a profile has no fp32 figure."""
+    return "bf16" if "tf32" in profile.peak_flops or "fp32" not in profile.peak_flops else "fp32"
+
+
+def profile_peaks(profile: HardwareProfile) -> tuple[float, float]:
+    """``(peak TFLOP/s of the compute dtype, bandwidth TB/s)`` of ``profile``."""
+    return profile.peak(compute_dtype_key(profile)) / 1e12, profile.hbm_bandwidth / 1e12
+
+
+def datasheet_for(profile: HardwareProfile) -> HardwareProfile | None:
+    """The datasheet profile of the GPU ``profile`` was measured on (None for CPUs / unknown GPUs)."""
+    from flashpage.roofline.hardware import load_profile, profile_from_gpu_name
+
+    name = profile.details.get("datasheet_profile")
+    if name:
+        try:
+            return load_profile(str(name))
+        except ValueError:
+            return None
+    dev = profile.details.get("device_name")
+    return profile_from_gpu_name(str(dev)) if dev else None
+
+
+def run_profile(path: str | os.PathLike[str] | None, quick: bool = False) -> HardwareProfile:
+    """The roofline a benchmark scores its rows against: the profile JSON at ``path`` (``flashpage
+    bench all`` measures it once with ``probe`` and hands it to every benchmark), else this device
+    measured now by :func:`flashpage.roofline.probe.probe` (``quick``: a few seconds). Never a
+    datasheet: a row's fraction must be of the machine it ran on."""
+    from flashpage.roofline.hardware import load_profile
+    from flashpage.roofline.probe import probe
+
+    if path is not None:
+        return load_profile(path)
+    return probe(quick=quick)
+
+
+def roofline_fraction(flops: float, nbytes: float, seconds: float, profile: HardwareProfile) -> float:
+    """Fraction of the roofline reached by an op of ``flops`` FLOP moving ``nbytes`` bytes in
+    ``seconds``: its FLOP/s over the measured peak when compute-bound, its bytes/s over the measured
+    bandwidth when memory-bound; i.e. achieved / ``min(peak, intensity * bandwidth)`` =
+    ``max(flop_rate / peak, byte_rate / bandwidth)``."""
+    if seconds <= 0:
+        raise ValueError(f"seconds: must be > 0, got {seconds}")
+    peak = profile.peak(compute_dtype_key(profile))
+    return max(flops / seconds / peak, nbytes / seconds / profile.hbm_bandwidth)
+
+
+# ------------------------------------------------------------------------------------------------
+# Rows: measured, missing, failed
+# ------------------------------------------------------------------------------------------------
+#: Benchmark names a row's ``bench`` may take (DESIGN.md "Benchmark results").
+ROW_BENCHES: tuple[str, ...] = ("attention", "decode", "prefill", "throughput", "serve")
+#: ``status`` values of a row that carries no measurement.
+NOT_MEASURED: tuple[str, ...] = ("missing", "failed")
+
+
+def status_row(bench: str, impl: str, status: str, reason: str, **fields: Any) -> dict[str, Any]:
+    """A row for a baseline that did not run: ``status`` ``"missing"`` (not installed / not
+    supported here) or ``"failed"`` (it raised, e.g. out of memory), with a one-line ``reason``."""
+    if status not in NOT_MEASURED:
+        raise ValueError(f"status: expected one of {', '.join(NOT_MEASURED)}, got {status!r}")
+    return {
+        "bench": bench,
+        "impl": impl,
+        **fields,
+        "status": status,
+        "reason": " ".join(reason.split())[:240],
+    }
+
+
+def failure_reason(exc: BaseException) -> str:
+    """``"<ExceptionType>: <first line>"`` (out of memory spelled as such)."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{'out of memory: ' if is_oom(exc) else ''}{type(exc).__name__}: {first}"[:240]
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for a CUDA (or CPU allocator) out-of-memory error."""
+    oom = getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom is not None and isinstance(exc, oom):
+        return True
+    return isinstance(exc, (RuntimeError, MemoryError)) and (
+        isinstance(exc, MemoryError) or "out of memory" in str(exc).lower()
+    )
+
+
+def run_with_batch_fallback(
+    run: Callable[[int], Any], batch: int, free: Callable[[], None] | None = None
+) -> tuple[Any, int, list[int]]:
+    """``run(batch)``, halving ``batch`` after each out-of-memory error until it fits.
+
+    Returns ``(result, batch that ran, batches that ran out of memory)``. Other errors propagate, as
+    does the OOM at batch 1. ``free`` (default: ``torch.cuda.empty_cache`` on CUDA) runs after each
+    OOM so the next try starts from a clean allocator."""
+    if batch < 1:
+        raise ValueError(f"batch: must be >= 1, got {batch}")
+    tried: list[int] = []
+    while True:
+        try:
+            return run(batch), batch, tried
+        except Exception as e:
+            if not is_oom(e) or batch == 1:
+                raise
+            tried.append(batch)
+            batch //= 2
+        # Outside the handler: the failed try's traceback (and the tensors its frames hold) is gone.
+        gc.collect()
+        if free is not None:
+            free()
+        elif torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+#: Keys every measured row needs beyond ``bench`` and ``impl``.
+_MEASURED_KEYS = ("frac_of_roofline",)
+#: One of these figures makes a row measured.
+_FIGURES = ("ms", "tokens_per_s", "tflops", "tbps")
+
+
+def validate_rows(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Problems with ``rows`` against the result format (empty when none): every row has ``bench``
+    (one of :data:`ROW_BENCHES`) and ``impl``; a row with ``status`` missing/failed has a
+    ``reason``; any other row has a figure (``ms`` / ``tokens_per_s`` / ...) and, except serve rows
+    (throughput at a concurrency), a finite ``frac_of_roofline`` > 0."""
+    import math
+
+    problems: list[str] = []
+    for i, r in enumerate(rows):
+        where = f"rows[{i}] ({r.get('bench')}/{r.get('impl')})"
+        if r.get("bench") not in ROW_BENCHES:
+            problems.append(f"{where}: bench must be one of {', '.join(ROW_BENCHES)}")
+        if not isinstance(r.get("impl"), str) or not r.get("impl"):
+            problems.append(f"{where}: impl missing")
+        status = r.get("status", "ok")
+        if status in NOT_MEASURED:
+            if not isinstance(r.get("reason"), str) or not r["reason"]:
+                problems.append(f"{where}: status {status} needs a reason")
+            continue
+        if status != "ok":
+            problems.append(f"{where}: unknown status {status!r}")
+        if not any(isinstance(r.get(k), (int, float)) for k in _FIGURES):
+            problems.append(f"{where}: no measured figure ({', '.join(_FIGURES)})")
+        for k in _MEASURED_KEYS:
+            if r.get("bench") == "serve":  # throughput at a concurrency: no roofline of its own
+                continue
+            v = r.get(k)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                problems.append(f"{where}: {k} must be a finite number > 0, got {v!r}")
+    return problems
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -111,6 +295,11 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
     return head + "".join("| " + " | ".join(fmt(r.get(c)) for c in columns) + " |\n" for r in rows)
 
 
+def results_dir(out_dir: Path | None = None) -> Path:
+    """Where result files go: ``out_dir``, else ``benchmarks/results`` of the checkout."""
+    return out_dir if out_dir is not None else repo_root() / "benchmarks" / "results"
+
+
 def write_results(
     bench: str,
     rows: list[dict[str, Any]],
@@ -119,54 +308,41 @@ def write_results(
     out_dir: Path | None = None,
     note: str = "",
 ) -> Path:
-    """Write the result JSON and refresh the benchmark's table in ``benchmarks/README.md``.
+    """Write ``<out_dir>/<bench>-<gpu>.json`` (default dir ``benchmarks/results``); returns its path.
 
-    The table's columns and note are kept in ``env`` (``table_columns``, ``note``) so the table can be
-    rebuilt from the JSON alone (:func:`refresh_readme_table`, ``flashpage bench table FILE``), e.g.
-    after a GPU run wrote its JSON somewhere else. With ``out_dir`` set the README is left alone.
-
-    Returns the path of the JSON file.
+    ``note`` and ``table_columns`` are kept in ``env`` (the run's own remarks and the columns its
+    console table printed). Rows that :func:`validate_rows` finds fault with are reported on stderr. ``benchmarks/README.md`` is rendered from these files by ``flashpage
+    bench report``, never edited by a run.
     """
-    root = repo_root()
     env = dict(env)
     if note:
         env["note"] = note
     if table_columns:
         env["table_columns"] = list(table_columns)
-    path = (out_dir or root / "benchmarks" / "results") / f"{bench}-{gpu_slug()}.json"
+    path = results_dir(out_dir) / f"{bench}-{gpu_slug()}.json"
+    for problem in validate_rows(rows):  # written anyway: a half-right file beats a lost run
+        print(f"warning: {path.name}: {problem}", file=sys.stderr, flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
-    if table_columns and out_dir is None:
-        refresh_readme_table(path)
     return path
 
 
-def refresh_readme_table(result_json: Path, readme: Path | None = None) -> Path:
-    """Rewrite the table of ``result_json`` (``<bench>-<gpu>.json``) in ``benchmarks/README.md``.
+def make_timer(device: torch.device, warmup_ms: int, rep_ms: int) -> Callable[[Callable[[], Any]], float]:
+    """Median milliseconds of a call: :func:`do_bench_ms` on CUDA (``warmup_ms`` / ``rep_ms``), the
+    median of 3 wall-clock runs after one warm-up elsewhere (CPU smoke runs and tests)."""
+    if device.type == "cuda":
+        return lambda fn: do_bench_ms(fn, warmup=warmup_ms, rep=rep_ms)
 
-    The table sits between ``<!-- bench:<bench>-<gpu> -->`` markers (appended when missing); its
-    columns come from ``env["table_columns"]`` (default: every key of the first row).
-    """
-    data = json.loads(Path(result_json).read_text())
-    env, rows = data["env"], data["rows"]
-    name = Path(result_json).stem
-    bench = name.rsplit("-", 1)[0]
-    columns = env.get("table_columns") or (list(rows[0]) if rows else [])
-    readme = readme or repo_root() / "benchmarks" / "README.md"
-    readme.parent.mkdir(parents=True, exist_ok=True)
-    text = readme.read_text() if readme.exists() else "# Benchmarks\n"
-    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    body = (
-        f"{start}\n### {bench} on {env.get('gpu')} (torch {env.get('torch')}, triton {env.get('triton')}, "
-        f"{env.get('date')}, commit {env.get('git_commit')})\n\n{env.get('note', '')}\n\n"
-        f"{markdown_table(rows, columns)}{end}"
-    )
-    if start in text and end in text:
-        text = text[: text.index(start)] + body + text[text.index(end) + len(end) :]
-    else:
-        text = text.rstrip() + "\n\n" + body + "\n"
-    readme.write_text(text)
-    return readme
+    def wall(fn: Callable[[], Any]) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[1]
+
+    return wall
 
 
 def do_bench_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:

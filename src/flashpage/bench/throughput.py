@@ -10,17 +10,28 @@ GPU (default when CUDA is present): a Llama-3-8B-shaped bf16 model with random w
 
 random prompt token ids, ``ignore_eos=True`` and ``max_tokens=out[i]``, so request ``i`` generates
 exactly ``out[i]`` tokens. Reported per implementation: useful output tokens/s (the tokens the requests
-asked for / wall time), TTFT and inter-token latency p50/p99, flashpage's peak KV waste, and the
-fraction of this workload's roofline bound (``flashpage.roofline.intensity.workload_bound`` with the
-``h200`` profile). Baseline in the same run (``--skip-hf`` to leave it out): ``transformers`` generate
-with static batching — all requests in one left-padded batch, ``max_new_tokens`` = the longest request,
-default SDPA attention, ``LlamaForCausalLM._from_config(cfg, dtype=bfloat16)`` on CUDA.
+asked for / wall time), TTFT and inter-token latency p50/p99, flashpage's peak KV waste, and two
+yardsticks, both of the GPU the run is on:
+
+* ``frac_of_roofline``: of the analytic bound (:func:`flashpage.roofline.intensity.workload_bound`)
+  on the profile ``--profile`` names (``flashpage bench all`` passes the one ``probe`` measured in the
+  same run), else on this device probed now;
+* ``frac_of_measured_bound``: of the workload's measured bound (:mod:`flashpage.bench.measured_bound`:
+  cuBLAS time of every linear at each step's exact batch, attention at SDPA's measured rates), whose
+  seconds go to ``env["measured_bound"]`` (``--skip-measured-bound`` leaves it out).
+
+Baselines in the same run (``--skip-hf`` leaves the first out): ``transformers`` generate with static
+batching — the requests in left-padded batches, ``max_new_tokens`` = the longest request of the batch,
+default SDPA attention, ``LlamaForCausalLM._from_config(cfg, dtype=bfloat16)``; one batch of all
+requests, halved after each out-of-memory error until it fits (the row's ``static_batch`` and ``note``
+say so). vLLM when importable (``LLM(load_format="dummy")`` on the same config, token-id prompts), else a
+``missing`` row. A baseline that fails is a ``failed`` row with its reason.
 
 CPU (``--cpu-hf``): the embedded SmolLM2-135M-Instruct GGUF (fp32), 32 prompts x 64 new tokens, greedy,
 flashpage vs ``transformers`` generate on the same dequantised weights (batched, left padded).
 
 ``--smoke`` runs the GPU-mode code path on a tiny dummy model on any device (checks the script).
-Results: ``benchmarks/results/throughput-<gpu>.json`` and the table in ``benchmarks/README.md``.
+Results: ``benchmarks/results/throughput-<gpu>.json`` (``flashpage bench report`` renders the tables).
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ TABLE_COLUMNS = [
     "itl_ms_p99",
     "kv_waste_pct_peak",
     "frac_of_roofline",
+    "frac_of_measured_bound",
     "elapsed_s",
     "speedup_vs_hf",
 ]
@@ -257,6 +269,105 @@ def _hf_row_figures(r: dict[str, Any], useful: int, n: int) -> dict[str, Any]:
     }
 
 
+def hf_static_batches(
+    generate: Any, prompts: list[list[int]], out_lens: list[int], batch: int
+) -> dict[str, Any]:
+    """The workload as consecutive static batches of ``batch`` requests (in order), each generating
+    the longest output of its batch: ``generate(prompts, max_new)`` -> :func:`_hf_generate_timed`'s
+    dict. Returns elapsed seconds over all batches, every request's TTFT (its batch's start offset
+    plus the batch's first-token time) and every step's inter-token latency."""
+    elapsed, ttft, itl = 0.0, [], []
+    for i in range(0, len(prompts), batch):
+        r = generate(prompts[i : i + batch], max(out_lens[i : i + batch]))
+        if r["ttft_s"] is not None:
+            ttft += [elapsed + r["ttft_s"]] * len(prompts[i : i + batch])
+        itl += r["itl_s"]
+        elapsed += r["elapsed_s"]
+    return {"elapsed_s": elapsed, "ttft_s": ttft, "itl_s": itl}
+
+
+def run_hf_baseline(
+    generate: Any, prompts: list[list[int]], out_lens: list[int], base: dict[str, Any]
+) -> dict[str, Any]:
+    """The ``hf-generate`` row: all requests in one static batch, halved after each out-of-memory
+    error until it fits (``note`` and ``reason`` say which batches did not fit); a ``failed`` row
+    when even batch 1 (or anything else) fails."""
+    from flashpage.bench.common import failure_reason, run_with_batch_fallback, status_row
+
+    n = len(prompts)
+    try:
+        r, b, oom = run_with_batch_fallback(lambda b: hf_static_batches(generate, prompts, out_lens, b), n)
+    except Exception as e:
+        return status_row(
+            "throughput",
+            "hf-generate",
+            "failed",
+            failure_reason(e),
+            **{k: v for k, v in base.items() if k != "bench"},
+        )
+    itl = [1e3 * x for x in r["itl_s"]]
+    ttft = [1e3 * x for x in r["ttft_s"]]
+    row = {
+        **base,
+        "impl": "hf-generate",
+        "elapsed_s": r["elapsed_s"],
+        "tokens_per_s": sum(out_lens) / r["elapsed_s"],
+        "ttft_ms_p50": _pct(ttft, 50),
+        "ttft_ms_p99": _pct(ttft, 99),
+        "itl_ms_p50": _pct(itl, 50),
+        "itl_ms_p99": _pct(itl, 99),
+        "static_batch": b,
+    }
+    if oom:
+        row["note"] = (
+            f"out of memory at static batch {', '.join(map(str, oom))}: ran {-(-n // b)} consecutive "
+            f"batches of {b} (the largest that fits)"
+        )
+        row["reason"] = row["note"]
+    return row
+
+
+def run_vllm_baseline(
+    hf_config: dict[str, Any], prompts: list[list[int]], out_lens: list[int], base: dict[str, Any]
+) -> dict[str, Any]:
+    """The ``vllm`` row: vLLM's offline ``LLM`` with dummy weights on the same config (token-id
+    prompts, ``ignore_eos``, the same output lengths), timed like flashpage's run after a warm-up;
+    ``missing`` when vLLM is not importable, ``failed`` with the reason when it raises."""
+    import importlib.util
+    import json
+    import tempfile
+
+    from flashpage.bench.common import failure_reason, status_row
+
+    fields = {k: v for k, v in base.items() if k != "bench"}
+    if importlib.util.find_spec("vllm") is None:
+        return status_row("throughput", "vllm", "missing", "vllm is not installed", **fields)
+    try:
+        from vllm import LLM as VLLM  # type: ignore[import-not-found]
+        from vllm import SamplingParams as VParams  # type: ignore[import-not-found]
+
+        with tempfile.TemporaryDirectory(prefix="flashpage-vllm-") as d:
+            Path(d, "config.json").write_text(json.dumps({**hf_config, "torch_dtype": "bfloat16"}))
+            llm = VLLM(model=d, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0)
+            ps = [{"prompt_token_ids": p} for p in prompts]
+            params = [
+                VParams(max_tokens=o, ignore_eos=True, temperature=1.0, detokenize=False) for o in out_lens
+            ]
+            llm.generate(ps[:8], params[:8], use_tqdm=False)  # warm-up
+            t0 = time.perf_counter()
+            outs = llm.generate(ps, params, use_tqdm=False)
+            elapsed = time.perf_counter() - t0
+        got = sum(len(o.outputs[0].token_ids) for o in outs)
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception as e:
+        return status_row("throughput", "vllm", "failed", failure_reason(e), **fields)
+    return {**base, "impl": "vllm", "elapsed_s": elapsed, "tokens_per_s": sum(out_lens) / elapsed,
+            "generated_tokens": got}  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------------------
 # Modes
 # ----------------------------------------------------------------------------------------------------
@@ -265,7 +376,6 @@ def _hf_row_figures(r: dict[str, Any], useful: int, n: int) -> dict[str, Any]:
 def _gpu_mode(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     from flashpage.models.config import get_builtin_config
     from flashpage.models.loader import load_model
-    from flashpage.roofline.hardware import load_profile
     from flashpage.roofline.intensity import workload_bound
     from flashpage.roofline.model_shapes import get_model_shape, model_shape_from_config
 
@@ -296,15 +406,38 @@ def _gpu_mode(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str,
         f"workload: {n_req} requests, {sum(ins)} prompt tokens (mean {statistics.mean(ins):.0f}), "
         f"{useful} output tokens (mean {statistics.mean(outs):.0f}, max {max(outs)}); model {name} {dtype} on {device}"
     )
-    profile = load_profile("h200")
+    from flashpage.bench.common import run_profile
+    from flashpage.bench.measured_bound import measure_workload_bound
+
+    profile = run_profile(args.profile, quick=True)
     shape = model_shape_from_config(cfg.to_hf_config(), name=name) if smoke else get_model_shape("llama-3-8b")
     bound = workload_bound(shape, profile, list(zip(ins, outs)), dtype="bf16")
     _log(
-        f"roofline bound (h200 profile): {bound.total_s:.2f} s = {bound.useful_tokens_per_s:.0f} useful tokens/s "
-        f"(prefill {bound.prefill_s:.2f} s, decode {bound.decode_s:.2f} s)"
+        f"roofline bound ({profile.name} profile): {bound.total_s:.2f} s = {bound.useful_tokens_per_s:.0f} useful "
+        f"tokens/s (prefill {bound.prefill_s:.2f} s, decode {bound.decode_s:.2f} s)"
     )
+    measured = None
+    if not args.skip_measured_bound:
+        measured = measure_workload_bound(
+            shape, ins, outs, device, dtype, max_batch_tokens=args.max_num_batched_tokens or 8192,
+            tiny_attention=smoke,
+        )  # fmt: skip
+        _log(
+            f"measured bound on this device: {measured.total_s:.2f} s = {measured.useful_tokens_per_s:.0f} useful "
+            f"tokens/s (prefill {measured.prefill_s:.2f} s, decode {measured.decode_s:.2f} s; attention "
+            f"{measured.prefill_attn_tflops:.0f} TFLOP/s prefill, {measured.decode_kv_tbps:.2f} TB/s decode; "
+            f"measured in {measured.details['measure_s']:.0f} s)"
+        )
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     rows: list[dict[str, Any]] = []
     base = {"bench": "throughput", "model": name, "dtype": str(dtype).removeprefix("torch."), "batch": n_req}
+
+    def yardsticks(tokens_per_s: float) -> dict[str, Any]:
+        out = {"frac_of_roofline": bound.fraction_of_bound(tokens_per_s)}
+        if measured is not None:
+            out["frac_of_measured_bound"] = measured.fraction_of_bound(tokens_per_s)
+        return out
 
     t0 = time.perf_counter()
     loaded = load_model(name, dtype=dtype, device=device, load_format="dummy", config=cfg, seed=0)
@@ -326,15 +459,22 @@ def _gpu_mode(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str,
         "impl": "flashpage",
         "block_size": args.block_size,
         **{k: v for k, v in fp.items() if k not in ("roofline", "cuda_graphs")},
-        "frac_of_roofline": bound.fraction_of_bound(fp["tokens_per_s"]),
+        **yardsticks(fp["tokens_per_s"]),
         "roofline_bound_tokens_per_s": bound.useful_tokens_per_s,
         "kernels": {ph: d["kernel"] for ph, d in fp["roofline"].items()},
         "cuda_graph_decode_steps": fp["roofline"].get("decode", {}).get("graph_steps", 0),
     }
+    if measured is not None:
+        fp_row["measured_bound_tokens_per_s"] = measured.useful_tokens_per_s
     rows.append(fp_row)
+    measured_txt = (
+        f", {100 * fp_row['frac_of_measured_bound']:.1f}% of the measured bound"
+        if measured is not None
+        else ""
+    )
     _log(
         f"[flashpage] {fp['tokens_per_s']:.0f} useful tokens/s in {fp['elapsed_s']:.1f} s "
-        f"({100 * fp_row['frac_of_roofline']:.1f}% of the roofline bound); TTFT p50 {fp['ttft_ms_p50']:.0f} ms "
+        f"({100 * fp_row['frac_of_roofline']:.1f}% of the roofline bound{measured_txt}); TTFT p50 {fp['ttft_ms_p50']:.0f} ms "
         f"p99 {fp['ttft_ms_p99']:.0f} ms; ITL p50 {fp['itl_ms_p50']:.1f} ms p99 {fp['itl_ms_p99']:.1f} ms; "
         f"peak KV waste {fp['kv_waste_pct_peak']:.2f}%; {fp['num_preemptions']} preemptions; "
         f"decode steps on CUDA graphs {fp_row['cuda_graph_decode_steps']}/{fp['roofline'].get('decode', {}).get('steps', 0)}; "
@@ -347,41 +487,69 @@ def _gpu_mode(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str,
         torch.cuda.empty_cache()
 
     if not args.skip_hf:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        rows.append(_hf_gpu_row(cfg, dtype, device, prompts, outs, base))
+    if not args.skip_vllm and not smoke:
+        rows.append(run_vllm_baseline(cfg.to_hf_config(), prompts, outs, base))
+    for r in rows[1:]:
+        if r.get("status") is None:
+            r.update(yardsticks(r["tokens_per_s"]))
+            _log(
+                f"[{r['impl']}] {r['tokens_per_s']:.0f} useful tokens/s in {r['elapsed_s']:.1f} s"
+                + (f" ({r['note']})" if r.get("note") else "")
+            )
+            if r["impl"] == "hf-generate":
+                fp_row["speedup_vs_hf"] = fp_row["tokens_per_s"] / r["tokens_per_s"]
+        else:
+            _log(f"[{r['impl']}] {r['status']}: {r['reason']}")
+    note = (
+        f"{n_req} requests, input ~U[64,1024], output ~U[32,512] (torch.Generator().manual_seed(0)), "
+        f"random token ids, ignore_eos; useful output tokens/s; analytic bound {bound.useful_tokens_per_s:.0f} "
+        f"tokens/s ({profile.name})"
+        + (f", measured bound {measured.useful_tokens_per_s:.0f} tokens/s." if measured is not None else ".")
+    )
+    extra = {"measured_bound": measured.to_env()} if measured is not None else {}
+    extra["analytic_bound"] = {"total_s": bound.total_s, "useful_tokens_per_s": bound.useful_tokens_per_s}
+    return rows, {"profile": profile, "extra": extra}, note
 
-        hf_cfg = LlamaConfig(**{k: v for k, v in cfg.to_hf_config().items() if k not in ("architectures",)})
-        t0 = time.perf_counter()
+
+def _hf_gpu_row(
+    cfg: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    prompts: list[list[int]],
+    outs: list[int],
+    base: dict[str, Any],
+) -> dict[str, Any]:
+    """The ``hf-generate`` row of the GPU workload (``missing`` without transformers)."""
+    from flashpage.bench.common import failure_reason, status_row
+
+    fields = {k: v for k, v in base.items() if k != "bench"}
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        return status_row("throughput", "hf-generate", "missing", f"transformers: {e}", **fields)
+    hf_cfg = LlamaConfig(**{k: v for k, v in cfg.to_hf_config().items() if k not in ("architectures",)})
+    t0 = time.perf_counter()
+    try:
         with torch.device(device):
             try:
                 model = LlamaForCausalLM._from_config(hf_cfg, dtype=dtype).eval()
             except TypeError:  # transformers 4.x spells it torch_dtype
                 model = LlamaForCausalLM._from_config(hf_cfg, torch_dtype=dtype).eval()
-        _log(f"[hf-generate] model built in {time.perf_counter() - t0:.1f} s; one static batch of {n_req}, "
-             f"max_new_tokens={max(outs)} (takes ~2.5 min at 256 on an H200)")  # fmt: skip
-        r = _hf_generate_timed(model, prompts, max(outs), 0, device)
-        del model
-        gc.collect()
-        hf = _hf_row_figures(r, useful, n_req)
-        hf_row = {
-            **base,
-            **hf,
-            "impl": "hf-generate",
-            "frac_of_roofline": bound.fraction_of_bound(hf["tokens_per_s"]),
-        }
-        rows.append(hf_row)
-        fp_row["speedup_vs_hf"] = fp_row["tokens_per_s"] / hf_row["tokens_per_s"]
-        _log(
-            f"[hf-generate] {hf['tokens_per_s']:.0f} useful tokens/s in {hf['elapsed_s']:.1f} s; "
-            f"TTFT {hf['ttft_ms_p50']:.0f} ms; ITL p50 {hf['itl_ms_p50']:.1f} ms; "
-            f"flashpage speed-up {fp_row['speedup_vs_hf']:.2f}x"
-        )
-    note = (
-        f"{n_req} requests, input ~U[64,1024], output ~U[32,512] (torch.Generator().manual_seed(0)), "
-        f"random token ids, ignore_eos; useful output tokens/s; roofline bound {bound.useful_tokens_per_s:.0f} "
-        "tokens/s (h200 profile)."
+    except Exception as e:
+        return status_row("throughput", "hf-generate", "failed", failure_reason(e), **fields)
+    _log(f"[hf-generate] model built in {time.perf_counter() - t0:.1f} s; static batches from {len(prompts)} "
+         f"requests down (halved on out of memory)")  # fmt: skip
+    holder = [model]
+    del model
+    row = run_hf_baseline(
+        lambda ps, mx: _hf_generate_timed(holder[0], ps, mx, 0, device), prompts, outs, base
     )
-    env_peaks = {"peak_tflops": profile.peak("bf16") / 1e12, "peak_tbps": profile.hbm_bandwidth / 1e12}
-    return rows, env_peaks, note
+    holder.clear()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
 
 
 def _cpu_prompts(n: int) -> list[str]:
@@ -393,10 +561,30 @@ def _cpu_prompts(n: int) -> list[str]:
     return [forms[i % len(forms)].format(subjects[i % len(subjects)]) for i in range(n)]
 
 
+def _cpu_hf_figures(prompts: list[list[int]], new: int, pad: int) -> dict[str, Any]:
+    """``transformers`` generate of ``prompts`` (one left-padded batch, ``new`` tokens each) on the
+    embedded GGUF's dequantised weights, after a warm-up: :func:`_hf_row_figures`."""
+    import transformers
+
+    from flashpage.models.loader import embedded_model_path
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = embedded_model_path("smollm2-135m-instruct")
+    t0 = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, local_files_only=True
+    ).eval()
+    _log(f"[hf-generate] loaded in {time.perf_counter() - t0:.1f} s")
+    device = torch.device("cpu")
+    _hf_generate_timed(model, prompts[:2], 4, pad, device)  # warm-up
+    r = _hf_generate_timed(model, prompts, new, pad, device)
+    return _hf_row_figures(r, len(prompts) * new, len(prompts))
+
+
 def _cpu_mode(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     from flashpage.engine.llm import LLM
     from flashpage.engine.sampling_params import SamplingParams
-    from flashpage.models.loader import embedded_model_path, load_model
+    from flashpage.models.loader import load_model
 
     n, new = (8, 16) if args.quick else (32, 64)
     device = torch.device("cpu")
@@ -450,39 +638,44 @@ def _cpu_mode(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str,
     llm.close()
     del llm
     if not args.skip_hf:
-        import transformers
+        try:
+            hf = _cpu_hf_figures(prompts, new, int(tok.eos_token_id if tok.eos_token_id is not None else 0))
+        except Exception as e:  # a baseline that cannot run is a row, never the end of the run
+            from flashpage.bench.common import failure_reason, status_row
 
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        path = embedded_model_path("smollm2-135m-instruct")
-        t0 = time.perf_counter()
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path),
-            gguf_file=os.path.basename(path),
-            dtype=torch.float32,
-            local_files_only=True,
-        ).eval()
-        _log(f"[hf-generate] loaded in {time.perf_counter() - t0:.1f} s")
-        pad = int(tok.eos_token_id if tok.eos_token_id is not None else 0)
-        _hf_generate_timed(model, prompts[:2], 4, pad, device)  # warm-up
-        r = _hf_generate_timed(model, prompts, new, pad, device)
-        hf = _hf_row_figures(r, n * new, n)
-        rows.append({**base, **hf, "impl": "hf-generate"})
-        rows[0]["speedup_vs_hf"] = fp_tps / hf["tokens_per_s"]
-        _log(
-            f"[hf-generate] {n} prompts x {new} tokens: {hf['elapsed_s']:.2f} s, {hf['tokens_per_s']:.1f} tokens/s; "
-            f"flashpage / hf = {rows[0]['speedup_vs_hf']:.2f}x"
-        )
-    from flashpage.roofline.hardware import load_profile
+            rows.append(status_row("throughput", "hf-generate", "failed", failure_reason(e),
+                                   **{k: v for k, v in base.items() if k != "bench"}))  # fmt: skip
+        else:
+            rows.append({**base, **hf, "impl": "hf-generate"})
+            rows[0]["speedup_vs_hf"] = fp_tps / hf["tokens_per_s"]
+            _log(
+                f"[hf-generate] {n} prompts x {new} tokens: {hf['elapsed_s']:.2f} s, {hf['tokens_per_s']:.1f} "
+                f"tokens/s; flashpage / hf = {rows[0]['speedup_vs_hf']:.2f}x"
+            )
+    from flashpage.bench.common import run_profile
+    from flashpage.bench.measured_bound import measure_workload_bound
+    from flashpage.roofline.intensity import workload_bound
+    from flashpage.roofline.model_shapes import get_model_shape
 
-    try:
-        prof = load_profile("cpu")
-        peaks = {"peak_tflops": prof.peak("fp32") / 1e12, "peak_tbps": prof.hbm_bandwidth / 1e12}
-    except (ValueError, OSError):
-        peaks = {"peak_tflops": None, "peak_tbps": None}
+    profile = run_profile(args.profile, quick=True)
+    shape = get_model_shape("smollm2-135m")
+    lens = [len(p) for p in prompts]
+    bound = workload_bound(shape, profile, [(x, new) for x in lens], dtype="fp32")
+    measured = None
+    if not args.skip_measured_bound:
+        measured = measure_workload_bound(shape, lens, [new] * n, device, torch.float32, tiny_attention=True)
+    for r in rows:
+        if r.get("status") is None:
+            r["frac_of_roofline"] = bound.fraction_of_bound(r["tokens_per_s"])
+            if measured is not None:
+                r["frac_of_measured_bound"] = measured.fraction_of_bound(r["tokens_per_s"])
     note = (
         f"CPU, {torch.get_num_threads()} threads: {n} prompts x {new} new tokens, greedy, same GGUF weights."
     )
-    return rows, peaks, note
+    extra = {"analytic_bound": {"total_s": bound.total_s, "useful_tokens_per_s": bound.useful_tokens_per_s}}
+    if measured is not None:
+        extra["measured_bound"] = measured.to_env()
+    return rows, {"profile": profile, "extra": extra}, note
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -507,12 +700,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--skip-vllm", action="store_true", help="leave out the vLLM baseline")
+    p.add_argument(
+        "--skip-measured-bound",
+        action="store_true",
+        help="do not measure the workload's bound on this device",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="hardware profile JSON the bounds use (flashpage bench all passes the one probe measured); "
+        "default: this device probed now",
+    )
     p.add_argument("--out", "--out-dir", dest="out_dir", type=Path, default=None, help="results directory")
     args = p.parse_args(argv)
     if args.cpu_hf:
-        rows, peaks, note = _cpu_mode(args)
+        rows, run, note = _cpu_mode(args)
     elif torch.cuda.is_available() or args.smoke:
-        rows, peaks, note = _gpu_mode(args)
+        rows, run, note = _gpu_mode(args)
     else:
         print(
             "flashpage bench throughput: no CUDA GPU; use --cpu-hf (CPU vs transformers) or --smoke",
@@ -525,8 +730,9 @@ def main(argv: list[str] | None = None) -> int:
     if (args.quick or args.smoke) and args.out_dir is None:
         _log("(quick/smoke run: no result file written; pass --out DIR to keep it)")
         return 0
+    env = {**env_info(None, None, profile=run["profile"]), **run["extra"]}
     path = write_results(
-        "throughput", rows, env_info(**peaks), table_columns=TABLE_COLUMNS, out_dir=args.out_dir, note=note
+        "throughput", rows, env, table_columns=TABLE_COLUMNS, out_dir=args.out_dir, note=note
     )
     _log(f"results written to {path}")
     return 0

@@ -1,6 +1,7 @@
 """The inference engine: continuous batching over a paged KV cache (vLLM-style API).
 
 * :class:`~flashpage.engine.llm.LLM` — offline ``generate`` / ``chat`` / ``stats``.
+* :class:`~flashpage.engine.async_llm.AsyncLLM` — the asyncio streaming API the server uses.
 * :class:`~flashpage.engine.engine_core.EngineCore` — ``add_request`` / ``abort_request`` /
   ``step()`` returning incremental outputs (what the server drives).
 * :class:`~flashpage.engine.sampling_params.SamplingParams`, :class:`~flashpage.engine.outputs.RequestOutput`,
@@ -14,6 +15,7 @@ Layout: ``scheduler.py`` (continuous batching, chunked prefill, preemption), ``m
 
 from __future__ import annotations
 
+from flashpage.engine.async_llm import AsyncLLM
 from flashpage.engine.engine_core import EngineConfig, EngineCore
 from flashpage.engine.llm import LLM
 from flashpage.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -21,6 +23,7 @@ from flashpage.engine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "CompletionOutput",
     "EngineConfig",
     "EngineCore",

@@ -12,7 +12,14 @@ type the ``gguf`` package knows (K-quants, IQ*) goes through ``gguf.quants.dequa
 
 llama.cpp stores Llama Q/K projection rows permuted for its interleaved ("GPT-J") RoPE; the loader
 applies the inverse permutation (as transformers' GGUF loader does) so the model's non-interleaved
-HF-convention RoPE applies. Qwen2 files use NEOX RoPE and are not permuted.
+HF-convention RoPE applies. Qwen2/Qwen3 and Gemma files use NEOX RoPE and are not permuted.
+
+Gemma files hold every RMSNorm weight as ``1 + w`` (llama.cpp's converter adds the one); the loader
+subtracts it again, as transformers does. Gemma's ``query_pre_attn_scalar`` is not stored: it is
+``attention.scale ** -2`` when the file has that key, else llama.cpp's rule (``hidden / heads`` for
+the 27B models, ``head_dim`` for the others). Gemma 3's sliding layers rotate with base
+``rope.freq_base_swa`` (10000 when absent, as llama.cpp hard-codes); the sliding pattern is
+``attention.sliding_window_pattern`` or the architecture's (1 global layer in 2 / in 6).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ __all__ = [
     "unpermute_qk",
 ]
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 
 _GGUF_MAGIC = b"GGUF"
 # Metadata value types (gguf spec): scalar struct formats; 8 = string, 9 = array.
@@ -356,6 +363,8 @@ _LAYER_NAMES = {
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
@@ -370,16 +379,29 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Gemma's four norms per layer: ffn_norm is the pre-MLP norm there, post_attention_norm the norm of the
+# attention output (HF's post_attention_layernorm, which in Llama is the pre-MLP norm).
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_GEMMA_ARCHS = ("gemma2", "gemma3")
+_GEMMA_SLIDING_PERIOD = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def hf_name_of(gguf_name: str) -> str | None:
-    """The Hugging Face tensor name of a GGUF tensor name, or ``None`` if it is not a model weight."""
+def hf_name_of(gguf_name: str, architecture: str = "llama") -> str | None:
+    """The Hugging Face tensor name of a GGUF tensor name (of a file of GGUF ``architecture``), or
+    ``None`` if it is not a model weight."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if architecture in _GEMMA_ARCHS else _LAYER_NAMES
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return None
 
 
@@ -442,13 +464,17 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     ]
     window = key("attention.sliding_window")
     name = str(md.get("general.name", "")).lower()
-    architecture = "qwen2" if arch == "qwen2" else ("mistral" if "mistral" in name else "llama")
+    architecture = arch if arch != "llama" else ("mistral" if "mistral" in name else "llama")
+    layers = int(key("block_count", required=True))
+    extra: dict[str, Any] = {}
+    if arch in _GEMMA_ARCHS:
+        extra = _gemma_options(gf, arch, key, hidden, heads, head_dim, layers, window)
     return ModelConfig(
         architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length", required=True)),
-        num_layers=int(key("block_count", required=True)),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(kv_heads),
         head_dim=head_dim,
@@ -462,7 +488,39 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         sliding_window=int(window) if window else None,
         bos_token_id=int(md["tokenizer.ggml.bos_token_id"]) if "tokenizer.ggml.bos_token_id" in md else None,
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids)),
+        qk_norm="blk.0.attn_q_norm.weight" in gf.tensors,
+        **extra,
     )
+
+
+def _gemma_options(
+    gf: GGUFFile, arch: str, key: Any, hidden: int, heads: int, head_dim: int, layers: int, window: Any
+) -> dict[str, Any]:
+    """Gemma 2/3 config fields from GGUF metadata (see the module docstring for the inferred ones)."""
+    scale = key("attention.scale")
+    if scale is not None:
+        qpas = float(scale) ** -2
+    elif layers == _GEMMA_27B_LAYERS[arch]:
+        qpas = float(hidden // heads)
+    else:
+        qpas = float(head_dim)
+    out: dict[str, Any] = {
+        "query_pre_attn_scalar": qpas,
+        "attn_logit_softcapping": key("attn_logit_softcapping"),
+        "final_logit_softcapping": key("final_logit_softcapping"),
+    }
+    if window:
+        pattern = key("attention.sliding_window_pattern", _GEMMA_SLIDING_PERIOD[arch])
+        if isinstance(pattern, list):  # llama.cpp: one bool per layer, True = sliding
+            if len(pattern) != layers:
+                raise ValueError(f"{gf.path}: attention.sliding_window_pattern needs {layers} entries")
+            sliding = [bool(p) for p in pattern]
+        else:
+            sliding = [bool((i + 1) % int(pattern)) for i in range(layers)]
+        out["layer_types"] = tuple("sliding_attention" if s else "full_attention" for s in sliding)
+    if arch == "gemma3":
+        out["rope_local_theta"] = float(key("rope.freq_base_swa", 10000.0))
+    return out
 
 
 @contextmanager
@@ -498,7 +556,7 @@ def load_gguf_weights(model: LlamaForCausalLM, gf: GGUFFile) -> None:
     config = model.config
     # rope_freqs went into the config; output.weight of a tied model is the embedding again.
     skip = {_ROPE_FREQS, "output.weight"} if config.tie_word_embeddings else {_ROPE_FREQS}
-    unknown = [n for n in gf.tensors if n not in skip and hf_name_of(n) not in slots]
+    unknown = [n for n in gf.tensors if n not in skip and hf_name_of(n, gf.architecture) not in slots]
     if unknown:
         raise ValueError(f"{gf.path}: unexpected tensors for a {gf.architecture} model: {unknown[:5]}")
     permuted = gf.architecture == "llama"  # llama.cpp permutes Q/K for its interleaved rope
@@ -522,7 +580,7 @@ def _dequantize_all(
     for name, info in gf.tensors.items():
         if name in skip:
             continue
-        hf = hf_name_of(name)
+        hf = hf_name_of(name, gf.architecture)
         assert hf is not None  # unknown names were rejected before
         dest = slots[hf]
         if tuple(dest.shape) != info.shape:
@@ -535,4 +593,6 @@ def _dequantize_all(
             dest.copy_(unpermute_qk(dequantize(raw, info.ggml_type, info.shape, torch.float32), n_head))
         else:
             dequantize_into(raw, info.ggml_type, dest)
+        if gf.architecture in _GEMMA_ARCHS and name.endswith("norm.weight"):
+            dest.sub_(1.0)  # llama.cpp stores Gemma's norm weights as 1 + w
         loaded.add(hf)

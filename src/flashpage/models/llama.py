@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) as a pure forward over a token batch.
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2/3) as a pure forward over a
+token batch.
 
 The model sees one engine step: the flattened new tokens of every sequence ``(T,)``, their positions
 ``(T,)``, the per-layer paged KV caches and the step's :class:`~flashpage.ops.metadata.AttentionMetadata`.
@@ -7,8 +8,15 @@ Each attention layer projects q/k/v, applies RoPE at the given positions and han
 dispatch point between models and kernels. No state lives in the model between steps.
 
 Numerics follow Hugging Face ``transformers`` (so greedy outputs match it): RMSNorm in float32 and cast
-back before the weight multiply, residual adds in the model dtype, RoPE in the non-interleaved
-"rotate_half" convention with a float32 cos/sin table cast to the activation dtype.
+back before the weight multiply (Gemma: multiplied by ``1 + weight`` in float32, then cast), residual
+adds in the model dtype, RoPE in the non-interleaved "rotate_half" convention with a float32 cos/sin
+table cast to the activation dtype.
+
+The architectures differ only in options of :class:`~flashpage.models.config.ModelConfig`, each
+applied where transformers applies it: q/k RMSNorm per head before RoPE (Qwen3, Gemma 3), per-layer
+sliding window and RoPE base (Gemma 2/3, mixed Qwen), attention-logit softcap and the
+``query_pre_attn_scalar`` softmax scale (passed to the dispatch point per layer), GeGLU, Gemma's
+sandwich norms, scaled embeddings and final-logit softcap.
 
 Parameter layout (names differ from HF, see :meth:`LlamaForCausalLM.load_weights`):
 Q/K/V are one fused ``qkv_proj`` ``(q_size + 2 kv_size, hidden)`` and gate/up one ``gate_up_proj``
@@ -140,38 +148,65 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)``, normalised in float32 (as HF does), over the last dim."""
+    """``weight * x / sqrt(mean(x^2) + eps)``, normalised in float32 (as HF does), over the last dim.
+
+    With ``offset`` (Gemma: 1.0) the scale is ``offset + weight`` and the multiply happens in float32
+    before the cast back, as Gemma's norm in transformers does; the fused kernel is Llama's form only.
+    """
 
     def __init__(
-        self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device | str | None
+        self,
+        hidden: int,
+        eps: float,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+        offset: float = 0.0,
     ) -> None:
         super().__init__()
         self.weight = _param(hidden, dtype=dtype, device=device)
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: Tensor, residual: Tensor | None = None, fused: bool = False) -> Any:
-        """``x (T, hidden)`` -> ``(T, hidden)`` in x's dtype; with ``residual``, normalises
-        ``h = residual + x`` and returns ``(norm(h), h)``. ``fused``: one Triton kernel (CUDA)."""
-        if fused:
-            return rms_norm(x, self.weight, self.eps, residual)
+        """``x (..., hidden)`` -> same shape in x's dtype; with ``residual``, normalises
+        ``h = residual + x`` and returns ``(norm(h), h)``. ``fused``: one Triton kernel (CUDA; Llama's
+        form only, ``offset == 0``)."""
+        if fused and self.offset == 0.0:
+            if x.dim() == 2:
+                return rms_norm(x, self.weight, self.eps, residual)
+            if residual is None:  # per-head q/k norm: rows of head_dim (a copy when x is strided)
+                return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         if residual is not None:
             h = residual + x
             return self.forward(h), h
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, RoPE, paged attention through the dispatch point, output projection."""
+    """Fused QKV projection, optional per-head q/k RMSNorm, RoPE, paged attention through the dispatch
+    point (with this layer's window, softcap and scale), output projection."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str | None, layer: int = 0
+    ) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size, self.kv_size = c.q_size, c.kv_size
-        self.softmax_scale = c.head_dim**-0.5
-        self.window_size = c.window_size
+        self.softmax_scale = c.softmax_scale
+        self.window_size = c.layer_window(layer)
+        self.softcap = c.attn_logit_softcapping or 0.0
+        # Gemma 3's sliding layers rotate with their own RoPE base (the model holds both tables).
+        self.local_rope = c.rope_local_theta is not None and c.is_sliding_layer(layer)
+        self.q_norm = self.k_norm = None
+        if c.qk_norm:
+            off = c.norm_weight_offset or 0.0
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device, off)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device, off)
         self.qkv_weight = _param(c.q_size + 2 * c.kv_size, c.hidden_size, dtype=dtype, device=device)
         self.qkv_bias = (
             _param(c.q_size + 2 * c.kv_size, dtype=dtype, device=device) if c.attention_bias else None
@@ -194,6 +229,8 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q, fused=fused), self.k_norm(k, fused=fused)
         if fused:
             q, k = rope_qk(q, k, cos, sin)
         else:
@@ -202,17 +239,19 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = kv_cache
         o = attention(
             q, k, v, k_cache, v_cache, meta,
-            softmax_scale=self.softmax_scale, window_size=self.window_size, softcap=0.0,
+            softmax_scale=self.softmax_scale, window_size=self.window_size, softcap=self.softcap,
         )  # fmt: skip
         return F.linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias)
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one GEMM."""
+    """SwiGLU ``down(silu(gate(x)) * up(x))`` or GeGLU (``gelu_pytorch_tanh``, Gemma) with gate and up
+    fused into one GEMM."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_weight = _param(
             2 * config.intermediate_size, config.hidden_size, dtype=dtype, device=device
         )
@@ -221,21 +260,40 @@ class LlamaMLP(nn.Module):
     def forward(self, x: Tensor, fused: bool = False) -> Tensor:
         """``x (T, hidden)`` -> ``(T, hidden)``."""
         gate_up = F.linear(x, self.gate_up_weight)
-        if fused:
+        if fused and not self.gelu:
             return F.linear(silu_and_mul(gate_up), self.down_weight)
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return F.linear(act * up, self.down_weight)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; with
+    ``sandwich_norm`` (Gemma) ``x + post_attention_norm(attn(norm(x)))`` then
+    ``x + post_feedforward_norm(mlp(pre_feedforward_norm(x)))``.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
+    The names follow HF: ``post_attention_layernorm`` is the pre-MLP norm in Llama and the norm of the
+    attention output in Gemma, whose pre-MLP norm is ``pre_feedforward_layernorm``.
+    """
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str | None, layer: int = 0
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(config, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        c = config
+        off = c.norm_weight_offset or 0.0
+
+        def norm() -> RMSNorm:
+            return RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device, off)
+
+        self.input_layernorm = norm()
+        self.self_attn = LlamaAttention(config, dtype, device, layer)
+        self.post_attention_layernorm = norm()
         self.mlp = LlamaMLP(config, dtype, device)
+        self.sandwich = bool(c.sandwich_norm)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(
         self,
@@ -254,6 +312,10 @@ class LlamaDecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual, fused=fused)
         a = self.self_attn(h, cos, sin, kv_cache, meta, fused=fused)
+        if self.sandwich:
+            residual = residual + self.post_attention_layernorm(a)
+            h = self.pre_feedforward_layernorm(residual)
+            return self.post_feedforward_layernorm(self.mlp(h, fused=fused)), residual
         h, residual = self.post_attention_layernorm(a, residual, fused=fused)
         return self.mlp(h, fused=fused), residual
 
@@ -303,14 +365,17 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         c = config
         self.embed_tokens = _param(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c, dtype, device) for _ in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, dtype, device, i) for i in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device, c.norm_weight_offset or 0.0)
         self.lm_head = (
             None if c.tie_word_embeddings else _param(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
         )
-        cos, sin = rope_cos_sin(c, device=self.embed_tokens.device)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # Gemma scales the embeddings by sqrt(hidden) rounded to the model dtype (HF casts the factor).
+        self.embed_scale = (
+            float(torch.tensor(c.hidden_size**0.5, dtype=dtype)) if c.scale_embeddings else None
+        )
+        self.final_softcap = c.final_logit_softcapping
+        self._set_rope_tables(c)
         if not empty:
             self.init_random_(0.02, seed)
 
@@ -330,17 +395,29 @@ class LlamaForCausalLM(nn.Module):
         One generator on the parameters' device, so an 8B model initialises in well under a second on GPU.
         """
         gen = torch.Generator(device=self.device).manual_seed(seed)
+        unit = 1.0 - (self.config.norm_weight_offset or 0.0)  # norms start as the identity scale
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(unit)
             else:
                 p.normal_(0.0, std, generator=gen)
 
+    def _set_rope_tables(self, config: ModelConfig) -> None:
+        """(Re)compute the float32 cos/sin tables: ``rope_cos``/``rope_sin`` of every layer, and
+        ``rope_local_cos``/``rope_local_sin`` of the sliding layers when they have their own base."""
+        cos, sin = rope_cos_sin(config, device=self.embed_tokens.device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if config.rope_local_theta is not None:
+            local = config.replace(rope_theta=config.rope_local_theta, rope_scaling=None)
+            cos, sin = rope_cos_sin(local, device=self.embed_tokens.device)
+        self.register_buffer("rope_local_cos", cos, persistent=False)
+        self.register_buffer("rope_local_sin", sin, persistent=False)
+
     def set_rope_config(self, config: ModelConfig) -> None:
-        """Swap in a config that differs only in RoPE fields and recompute the cos/sin table."""
-        cos, sin = rope_cos_sin(config, device=self.device)
+        """Swap in a config that differs only in RoPE fields and recompute the cos/sin tables."""
         self.config = config
-        self.rope_cos, self.rope_sin = cos, sin
+        self._set_rope_tables(config)
 
     def forward(
         self,
@@ -380,22 +457,34 @@ class LlamaForCausalLM(nn.Module):
             )
         # Gathered and cast to the activation dtype once per step (as HF casts cos/sin), shared by all layers.
         cos, sin = self.rope_cos[positions].to(self.dtype), self.rope_sin[positions].to(self.dtype)
+        local = (cos, sin)
+        if c.rope_local_theta is not None:
+            local = (
+                self.rope_local_cos[positions].to(self.dtype),
+                self.rope_local_sin[positions].to(self.dtype),
+            )
         # Fused Triton element-wise kernels on CUDA with the Triton backend; PyTorch ops otherwise
         # (the CPU path stays op-for-op the Hugging Face formulation, for exact parity).
         fused = self.fused_ops
         if fused is None:
             fused = input_ids.is_cuda and resolve_backend(input_ids.device) == "triton"
         h = F.embedding(input_ids, self.embed_tokens)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         residual: Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, cos, sin, kv, meta, fused=fused)
+            lc, ls = local if layer.self_attn.local_rope else (cos, sin)
+            h, residual = layer(h, residual, lc, ls, kv, meta, fused=fused)
         if residual is None:  # no layers
             return self.norm(h, fused=fused)
         return self.norm(h, residual, fused=fused)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """``(N, hidden)`` -> ``(N, vocab)`` float32 logits."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        """``(N, hidden)`` -> ``(N, vocab)`` float32 logits (softcapped in float32 when the config says so)."""
+        logits = F.linear(hidden, self.lm_head_weight).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     # ------------------------------------------------------------------------------------------------------
     # Weights in Hugging Face names
@@ -414,12 +503,14 @@ class LlamaForCausalLM(nn.Module):
         for n, layer in enumerate(self.layers):
             p = f"model.layers.{n}."
             a, m = layer.self_attn, layer.mlp
-            out[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, 0, c.hidden_size)
-            out[p + "post_attention_layernorm.weight"] = (
-                layer.post_attention_layernorm.weight,
-                0,
-                c.hidden_size,
-            )
+            norms = ["input_layernorm", "post_attention_layernorm"]
+            if layer.sandwich:
+                norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+            for norm in norms:
+                out[p + f"{norm}.weight"] = (getattr(layer, norm).weight, 0, c.hidden_size)
+            if a.q_norm is not None and a.k_norm is not None:
+                out[p + "self_attn.q_norm.weight"] = (a.q_norm.weight, 0, c.head_dim)
+                out[p + "self_attn.k_norm.weight"] = (a.k_norm.weight, 0, c.head_dim)
             for suffix, t in (("weight", a.qkv_weight), ("bias", a.qkv_bias)):
                 if t is not None:
                     out[p + f"self_attn.q_proj.{suffix}"] = (t, 0, q)

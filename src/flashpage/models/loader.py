@@ -7,7 +7,7 @@ Accepted ``model`` forms (see :func:`resolve_model_path`):
   importing it needs the ``llm`` package).
 * a directory with ``config.json`` and ``model.safetensors`` (or shards listed in
   ``model.safetensors.index.json``; ``pytorch_model.bin`` is read with ``torch.load(weights_only=True)``
-  only when no safetensors exist);
+  only when no safetensors exist); of a multimodal Gemma 3 checkpoint, the language model is loaded;
 * a ``.gguf`` file;
 * with ``load_format="dummy"``: a built-in config name (``BUILTIN_CONFIGS``) or an explicit ``config`` —
   random weights allocated and initialised on the target device (fast at 8B scale on GPU).
@@ -260,6 +260,34 @@ def _iter_hf_weights(kind: str, files: list[str], device: torch.device) -> Itera
             yield from state.items()
 
 
+# Multimodal checkpoints (Gemma 3 4B+) keep the language model under a prefix — transformers 4 and 5
+# save ``language_model.model.*``, 5's in-memory names are ``model.language_model.*`` — beside a vision
+# tower and projector that a text-only model does not use.
+_LANGUAGE_MODEL_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def _language_model_weights(weights: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """The text model's tensors of a multimodal checkpoint, renamed to the text-only HF names."""
+    for name, tensor in weights:
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for old, new in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        yield name, tensor
+
+
 def _load_hf_dir(
     path: str, dtype: torch.dtype, device: torch.device, override: ModelConfig | None
 ) -> LoadedModel:
@@ -282,7 +310,10 @@ def _load_hf_dir(
             cfg = cfg.replace(eos_token_ids=merged)
     kind, files = _weight_files(path)
     net = LlamaForCausalLM(cfg, dtype=dtype, device=device, empty=True)
-    net.load_weights(_iter_hf_weights(kind, files, device))
+    weights = _iter_hf_weights(kind, files, device)
+    if "text_config" in hf_cfg:  # multimodal: the language model only
+        weights = _language_model_weights(weights)
+    net.load_weights(weights)
     net.eval()
     tokenizer = load_hf_tokenizer(path)
     chat_template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None

@@ -14,6 +14,12 @@ measured on the spot by :func:`flashpage.roofline.probe.probe` (kept nowhere). P
 ``roofline/profiles/*.json`` (e.g. ``h200-measured``) load by their file stem, and any path to a JSON
 written by ``flashpage probe`` loads too.
 
+A profile may carry ``efficiency``: per planner kernel name (``flash_fwd``, ``flash_bwd``,
+``paged_decode``, ``paged_decode_splitkv``, ``paged_prefill``, ``matmul``), the fraction of the
+roofline that kernel measured on this device (``flashpage bench all`` writes it from its results into
+``benchmarks/results/probe-<gpu>.json``). The planner scales each op's attainable rate by it; a kernel
+without an entry counts as 1.0. Profile JSON without the field (older files) load unchanged.
+
 Conventions: datasheets quote "with sparsity" tensor figures; the dense figure (half of it) is what
 real GEMMs can reach, so that is what is stored. Link bandwidths in datasheets are bidirectional
 totals; the per-direction figure (half) is stored. Datasheets do not give latencies: the latency
@@ -130,6 +136,7 @@ class HardwareProfile:
     interconnects: Mapping[str, Interconnect] = field(default_factory=dict, hash=False)
     source: str = "datasheet"
     details: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    efficiency: Mapping[str, float] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         peaks = {normalize_dtype(k): float(v) for k, v in dict(self.peak_flops).items() if v}
@@ -145,6 +152,11 @@ class HardwareProfile:
         object.__setattr__(self, "peak_flops", MappingProxyType(peaks))
         object.__setattr__(self, "interconnects", MappingProxyType(dict(self.interconnects)))
         object.__setattr__(self, "details", MappingProxyType(dict(self.details)))
+        eff = {str(k): float(v) for k, v in dict(self.efficiency).items()}
+        for k, v in eff.items():
+            if not 0 < v <= 2:  # above 1: a kernel beat the probe's ceiling (e.g. cache-resident data)
+                raise ValueError(f"efficiency: {k} must be in (0, 2], got {v}")
+        object.__setattr__(self, "efficiency", MappingProxyType(eff))
         object.__setattr__(self, "num_sms", int(self.num_sms))
 
     def peak(self, dtype: Any) -> float:
@@ -168,9 +180,13 @@ class HardwareProfile:
         """Roofline-attainable FLOP/s at ``intensity`` FLOP/byte: ``min(peak, intensity * bandwidth)``."""
         return min(self.peak(dtype), intensity * self.hbm_bandwidth)
 
+    def efficiency_of(self, kernel: str) -> float:
+        """Measured fraction of the roofline ``kernel`` reaches here (1.0 when not measured)."""
+        return self.efficiency.get(kernel, 1.0)
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict; :func:`profile_from_dict` reads it back."""
-        return {
+        """JSON-ready dict; :func:`profile_from_dict` reads it back (``efficiency`` only when set)."""
+        out = {
             "name": self.name,
             "source": self.source,
             "peak_flops": dict(self.peak_flops),
@@ -184,6 +200,9 @@ class HardwareProfile:
             },
             "details": dict(self.details),
         }
+        if self.efficiency:
+            out["efficiency"] = dict(self.efficiency)
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -384,6 +403,9 @@ def profile_from_dict(data: Mapping[str, Any], origin: str = "<dict>") -> Hardwa
     peaks = data["peak_flops"]
     if not isinstance(peaks, Mapping) or not peaks:
         raise ValueError(f"{origin}: field 'peak_flops' must be a non-empty object of dtype -> FLOP/s")
+    eff = data.get("efficiency") or {}
+    if not isinstance(eff, Mapping):
+        raise ValueError(f"{origin}: field 'efficiency' must be an object of kernel -> fraction")
     links: dict[str, Interconnect] = {}
     raw_links = data.get("interconnects") or {}
     if not isinstance(raw_links, Mapping):
@@ -404,6 +426,7 @@ def profile_from_dict(data: Mapping[str, Any], origin: str = "<dict>") -> Hardwa
             interconnects=links,
             source=str(data.get("source", origin)),
             details=dict(data.get("details") or {}),
+            efficiency={str(k): float(v) for k, v in eff.items()},
         )
     except (TypeError, ValueError) as e:
         raise ValueError(f"{origin}: {e}") from e

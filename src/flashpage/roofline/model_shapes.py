@@ -9,6 +9,7 @@ smollm2-135m              576     1536          30      9      3         64     
 llama-3-8b                4096    14336         32      32     8         128       128256   no
 llama-3-70b               8192    28672         80      64     8         128       128256   no
 mistral-7b                4096    14336         32      32     8         128       32000    no
+qwen3-0.6b                1024    3072          28      16     8         128       151936   yes
 ========================  ======  ============  ======  =====  ========  ========  =======  ======
 
 ``get_model_shape`` also reads a Hugging Face ``config.json`` (or a directory holding one).
@@ -108,6 +109,8 @@ def _builtin_shapes() -> dict[str, ModelShape]:
         "llama-3-70b": ModelShape("llama-3-70b", 8192, 28672, 80, 64, 8, 128, 128256, False),
         # mistralai/Mistral-7B-v0.1 config.json
         "mistral-7b": ModelShape("mistral-7b", 4096, 14336, 32, 32, 8, 128, 32000, False),
+        # Qwen/Qwen3-0.6B config.json (head_dim 128, not hidden / heads)
+        "qwen3-0.6b": ModelShape("qwen3-0.6b", 1024, 3072, 28, 16, 8, 128, 151936, True),
     }
 
 

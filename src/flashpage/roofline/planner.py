@@ -263,14 +263,17 @@ class PlannedOp:
     Attributes:
         choice: the planner's decision (kernel, splits, intensity, ridge, bound).
         cost: FLOPs and bytes of one call, ``count`` calls per forward.
-        attainable_flops: ``min(peak, intensity * bandwidth)`` in FLOP/s.
-        time_s: least seconds for all ``count`` calls.
+        attainable_flops: ``efficiency * min(peak, intensity * bandwidth)`` in FLOP/s.
+        time_s: least seconds for all ``count`` calls at that rate.
+        efficiency: the kernel's measured fraction of the roofline from the profile
+            (:meth:`HardwareProfile.efficiency_of`; 1.0 = the bare roofline).
     """
 
     choice: KernelChoice
     cost: OpCost
     attainable_flops: float
     time_s: float
+    efficiency: float = 1.0
 
 
 def plan_model(
@@ -283,6 +286,9 @@ def plan_model(
     dtype: Any = "bfloat16",
 ) -> list[PlannedOp]:
     """Every op of the three phases of ``shape`` on ``profile``, with kernel choices.
+
+    A profile with measured ``efficiency`` (``flashpage bench all``'s ``probe-<gpu>.json``) scales
+    each op's attainable rate and time by its kernel's measured fraction of the roofline.
 
     Phases: ``prefill`` of ``batch`` prompts of ``seq`` tokens; ``decode`` of one token for ``batch``
     sequences over ``seq`` cached tokens; ``chunked_prefill`` of ``chunk`` new tokens for ``batch``
@@ -318,12 +324,14 @@ def plan_model(
                 choice = KernelChoice(
                     phase, cost.op, "matmul", 1, cost.intensity, rp, bound(cost.intensity, rp)
                 )
+            eff = profile.efficiency_of(choice.kernel)
             rows.append(
                 PlannedOp(
                     choice=choice,
                     cost=cost,
-                    attainable_flops=profile.attainable(cost.intensity, key),
-                    time_s=cost.count * cost.time_s(profile, key),
+                    attainable_flops=eff * profile.attainable(cost.intensity, key),
+                    time_s=cost.count * cost.time_s(profile, key) / eff,
+                    efficiency=eff,
                 )
             )
     return rows

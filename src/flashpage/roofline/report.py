@@ -68,6 +68,7 @@ def _row(op: PlannedOp) -> dict[str, Any]:
         "count": c.count,
         "attainable_tflops": op.attainable_flops / 1e12,
         "time_ms": op.time_s * 1e3,
+        "efficiency": op.efficiency,
         "shape": c.detail,
     }
 
@@ -109,7 +110,10 @@ def format_table(report: RooflineReport) -> str:
         f"peak {p.peak(report.dtype) / 1e12:.4g} TFLOP/s, bandwidth {p.hbm_bandwidth / 1e12:.4g} TB/s, "
         f"ridge {report.ridge:.1f} FLOP/B  ({p.source})\n"
     )
+    measured = bool(p.efficiency)
     cols = ("phase", "op", "shape", "FLOP/B", "ridge", "bound", "attainable", "time (ms)", "kernel")
+    if measured:  # a profile with measured kernel efficiencies: show the fraction each op is scaled by
+        cols = (*cols, "eff")
     rows = []
     for op in report.ops:
         k = op.choice
@@ -125,6 +129,7 @@ def format_table(report: RooflineReport) -> str:
                 _fmt_flops(op.attainable_flops) + "FLOP/s",
                 f"{op.time_s * 1e3:.3g}",
                 kernel,
+                *((f"{op.efficiency:.2f}",) if measured else ()),
             )
         )
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
