@@ -114,3 +114,20 @@ def hf_greedy(parity_prompt_ids: list[list[int]]) -> list[list[int]]:
             outs.append(y[0, len(ids) :].tolist())
     del model
     return outs
+
+
+@pytest.fixture(scope="session")
+def tiny_tok(smollm: Any) -> Any:
+    """A 2-layer random Llama with SmolLM2's vocabulary (49152, EOS 2), tokenizer and chat template:
+    the text features (structured output, chat) at the speed of the tiny model."""
+    import dataclasses
+
+    from flashpage.models.loader import load_model
+
+    cfg = tiny_config(vocab_size=smollm.config.vocab_size, eos_token_ids=tuple(smollm.config.eos_token_ids))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # there the bitmask is applied on the GPU
+    loaded = load_model(
+        "tiny-tok", dtype=torch.float32, device=device, load_format="dummy", config=cfg, seed=2
+    )
+    loaded.model.init_random_(0.2, seed=2)
+    return dataclasses.replace(loaded, tokenizer=smollm.tokenizer, chat_template=smollm.chat_template)

@@ -28,28 +28,34 @@ BLOCK8 = 2 * 2 * 8 * 32 * 4
 
 
 @torch.inference_mode()
+def no_cache_hidden(model: Any, ids: list[int]) -> torch.Tensor:
+    """``(len(ids), H)`` hidden states of one sequence computed from scratch (fresh cache)."""
+    c = model.config
+    dev = next(model.parameters()).device
+    t = len(ids)
+    nblk = math.ceil(t / 16)
+    cache = allocate_kv_cache(
+        KVCacheSpec(c.num_layers, nblk, 16, c.num_kv_heads, c.head_dim, torch.float32), dev
+    )
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(t, device=dev),
+        block_table=torch.arange(nblk, dtype=torch.int32, device=dev).view(1, -1),
+        seqlens_k=torch.tensor([t], dtype=torch.int32, device=dev),
+        cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=dev),
+        max_seqlen_q=t,
+        max_seqlen_k=t,
+        decode_only=t == 1,
+        prefix_free=True,
+    )
+    return model.forward(torch.tensor(ids, device=dev), torch.arange(t, device=dev), cache, meta)
+
+
+@torch.inference_mode()
 def recompute_greedy(model: Any, prompt: list[int], n_new: int) -> list[int]:
     """Greedy continuation recomputing the whole sequence every token (fresh cache, one sequence)."""
     ids = list(prompt)
-    c = model.config
-    dev = next(model.parameters()).device
     for _ in range(n_new):
-        t = len(ids)
-        nblk = math.ceil(t / 16)
-        cache = allocate_kv_cache(
-            KVCacheSpec(c.num_layers, nblk, 16, c.num_kv_heads, c.head_dim, torch.float32), dev
-        )
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(t, device=dev),
-            block_table=torch.arange(nblk, dtype=torch.int32, device=dev).view(1, -1),
-            seqlens_k=torch.tensor([t], dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=dev),
-            max_seqlen_q=t,
-            max_seqlen_k=t,
-            decode_only=t == 1,
-            prefix_free=True,
-        )
-        h = model.forward(torch.tensor(ids, device=dev), torch.arange(t, device=dev), cache, meta)
+        h = no_cache_hidden(model, ids)
         ids.append(int(model.compute_logits(h[-1:]).argmax()))
     return ids[len(prompt) :]
 

@@ -4,7 +4,6 @@ hits), min_tokens, logit_bias, cumulative_logprob, thread-safe ``LLM.generate``,
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import Any
 
@@ -14,33 +13,13 @@ import torch
 from flashpage.engine.llm import LLM
 from flashpage.engine.outputs import Logprob
 from flashpage.engine.sampling_params import SamplingParams
-from flashpage.kv.layout import KVCacheSpec, allocate_kv_cache
-from flashpage.ops.metadata import AttentionMetadata
-from tests.engine.test_engine import BLOCK8, NEW, PROMPTS, recompute_greedy, run_checked
+from tests.engine.test_engine import BLOCK8, NEW, PROMPTS, no_cache_hidden, recompute_greedy, run_checked
 
 
 @torch.inference_mode()
 def prompt_logprob_reference(model: Any, prompt: list[int]) -> torch.Tensor:
     """``(len(prompt), V)`` log-softmax of every prompt position, one no-cache forward."""
-    t = len(prompt)
-    c = model.config
-    dev = next(model.parameters()).device
-    nblk = math.ceil(t / 16)
-    cache = allocate_kv_cache(
-        KVCacheSpec(c.num_layers, nblk, 16, c.num_kv_heads, c.head_dim, torch.float32), dev
-    )
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(t, device=dev),
-        block_table=torch.arange(nblk, dtype=torch.int32, device=dev).view(1, -1),
-        seqlens_k=torch.tensor([t], dtype=torch.int32, device=dev),
-        cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=dev),
-        max_seqlen_q=t,
-        max_seqlen_k=t,
-        decode_only=t == 1,
-        prefix_free=True,
-    )
-    h = model.forward(torch.tensor(prompt, device=dev), torch.arange(t, device=dev), cache, meta)
-    return model.compute_logits(h).float().log_softmax(-1).cpu()
+    return model.compute_logits(no_cache_hidden(model, prompt)).float().log_softmax(-1).cpu()
 
 
 def _check_prompt_logprobs(lps: list[dict[int, Logprob] | None] | None, ref: torch.Tensor, prompt: list[int], k: int) -> None:  # fmt: skip

@@ -308,10 +308,21 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
 
     def _probe_sampler(self, logits: torch.Tensor) -> None:
-        """Run the sampler's heaviest path once (memory profiling): temperature, top-k/p, min-p."""
-        p = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.1)
+        """Run the sampler's heaviest path once (memory profiling): logprobs, logit bias, a grammar
+        bitmask on every row, penalties, temperature, top-k/p, min-p."""
+        p = SamplingParams(
+            temperature=0.8,
+            top_p=0.9,
+            top_k=50,
+            min_p=0.05,
+            presence_penalty=0.1,
+            logprobs=5,
+            logit_bias={0: 1.0},
+        )
         rows = [SampleRow(p, [0], [0]) for _ in range(logits.shape[0])]
-        self.sampler.sample(logits, rows)
+        words = -(-logits.shape[1] // 32)
+        bitmask = torch.full((logits.shape[0], words), -1, dtype=torch.int32, device=logits.device)
+        self.sampler.sample(logits, rows, bitmask)
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenize ``prompt`` with the model's tokenizer."""
@@ -681,18 +692,17 @@ class EngineCore:
             seq.logprobs.append(self._decorate(logprobs))
             seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + float(logprobs[tok])
         self._stats.generation_tokens += 1
+        # Below min_tokens nothing ends the completion (a constrained one: only its grammar).
         may_stop = seq.num_output_tokens > p.min_tokens
         stop_str = seq.detok.add_tokens([tok], check_stop=may_stop) if seq.detok is not None else None
         status: SequenceStatus | None = None
-        grammar_done = False
         if seq.matcher is not None:
-            # A token the mask allowed is always accepted; the grammar ends after its EOS (or when
-            # nothing but EOS could follow and EOS is ignored).
-            accepted = seq.matcher.accept_token(tok)
-            grammar_done = not accepted or seq.matcher.is_terminated()
-        if grammar_done:
-            status = SequenceStatus.FINISHED_STOPPED
-        elif not may_stop and seq.matcher is None:
+            may_stop = True
+            # The grammar ends once it accepted a stop token (EOS only comes when it is complete); a
+            # token it rejects (the mask does not allow one) ends the completion too.
+            if not seq.matcher.accept_token(tok) or seq.matcher.is_terminated():
+                status = SequenceStatus.FINISHED_STOPPED
+        if status is not None or not may_stop:
             pass
         elif not p.ignore_eos and tok in self.eos_token_ids:
             status = SequenceStatus.FINISHED_STOPPED

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from typing import Any
 
 import torch
@@ -50,17 +51,19 @@ class StructuredOutputs:
         self.stop_token_ids = sorted(stop_token_ids)
         self.bitmask_width = math.ceil(self.vocab_size / 32)
         self._compiler: Any = None
+        self._lock = threading.Lock()  # add_request (and so compile) may run on several threads
 
     def _get_compiler(self, field: str) -> Any:
         xgr = _import_xgrammar(field)
-        if self._compiler is None:
-            if self.tokenizer is None:
-                raise ValueError(f"{field}: structured output needs a model with a tokenizer")
-            info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
-            )
-            self._compiler = xgr.GrammarCompiler(info)
-        return self._compiler
+        if self.tokenizer is None:
+            raise ValueError(f"{field}: structured output needs a model with a tokenizer")
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
+                )
+                self._compiler = xgr.GrammarCompiler(info)
+            return self._compiler
 
     def compile(self, guided: tuple[str, str]) -> Any:
         """Compile ``SamplingParams.guided`` (``(field, spec)``); cached by the compiler.
@@ -99,6 +102,4 @@ class StructuredOutputs:
         for i, m in enumerate(matchers):
             if m is not None:
                 m.fill_next_token_bitmask(mask, i)
-        if device.type == "cuda":
-            return mask.pin_memory().to(device, non_blocking=True)
         return mask.to(device)
