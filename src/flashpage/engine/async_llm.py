@@ -236,11 +236,14 @@ class AsyncLLM:
         *,
         prompt_token_ids: list[int] | None = None,
         stream: bool = True,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestStream:
         """Add a request now and return the stream of its outputs.
 
-        Call from a running event loop; the outputs are delivered to that loop. Use the stream as an
-        async iterator, or ``async with``: leaving it before the request finished aborts it.
+        Call from a running event loop, or from a worker thread with ``loop`` (a guided request
+        compiles its grammar here, which can take a fraction of a second: keep that off the loop).
+        The outputs are delivered to that loop. Use the stream as an async iterator, or
+        ``async with``: leaving it before the request finished aborts it.
 
         Args:
             prompt: text, token ids, or ``None`` with ``prompt_token_ids``.
@@ -256,7 +259,7 @@ class AsyncLLM:
         if not self.is_running:
             raise EngineDeadError("the engine is shut down")
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
-        handle = RequestStream(self, rid, asyncio.Queue(), asyncio.get_running_loop())
+        handle = RequestStream(self, rid, asyncio.Queue(), loop or asyncio.get_running_loop())
         st = self._state
         with st.lock:
             if rid in st.streams:

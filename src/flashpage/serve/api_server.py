@@ -329,20 +329,24 @@ class _Server:
 
     # ------------------------------------------------------------------ adding requests
 
-    def add_all(
+    async def add_all(
         self, items: list[tuple[str | None, list[int], SamplingParams]], base_id: str
     ) -> list[RequestStream]:
+        """Add every prompt's request; on a bad one, abort those already added and answer 400."""
         eng = self.s.engine
+        loop = asyncio.get_running_loop()
         streams: list[RequestStream] = []
         try:
             for i, (text, ids, params) in enumerate(items):
-                streams.append(
-                    eng.add_request(text, params, f"{base_id}-{i}", prompt_token_ids=ids, stream=True)
-                )
+                args = (text, params, f"{base_id}-{i}")
+                kw: dict[str, Any] = {"prompt_token_ids": ids, "stream": True, "loop": loop}
+                if params.guided is not None:  # compiling the grammar: off the event loop
+                    streams.append(await asyncio.to_thread(eng.add_request, *args, **kw))
+                else:
+                    streams.append(eng.add_request(*args, **kw))
         except ValueError as e:
             for st in streams:
-                st.finished = True
-            eng._abort_ids([st.request_id for st in streams])
+                await st.aclose()
             raise ApiError.bad_request(e) from None
         except EngineDeadError:
             raise ApiError(503, "the server is shutting down", type="service_unavailable") from None
@@ -575,7 +579,7 @@ def build_app(
             items.append((text, ids, params))
         srv.check_capacity(len(items))
         rid = P.random_id("cmpl")
-        streams = srv.add_all(items, rid)
+        streams = await srv.add_all(items, rid)
         return await srv.run(
             request,
             streams,
@@ -607,7 +611,7 @@ def build_app(
         srv.check_capacity(1)
         rid = P.random_id("chatcmpl")
         items = [(text, ids, params)]
-        streams = srv.add_all(items, rid)
+        streams = await srv.add_all(items, rid)
         return await srv.run(
             request,
             streams,
