@@ -224,13 +224,22 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return out
 
 
-def test_llm_tp2_greedy_parity_and_shutdown(qwen3_dir: str) -> None:
-    opts = {"device": "cpu", "dtype": "float32", "max_num_batched_tokens": 8, "kv_cache_bytes": 1 << 20}
-    single = LLM(qwen3_dir, **opts)
+ENGINE_OPTS = {"device": "cpu", "dtype": "float32", "max_num_batched_tokens": 8, "kv_cache_bytes": 1 << 20}
+
+
+@pytest.fixture(scope="module")
+def single_tokens(qwen3_dir: str) -> list[list[int]]:
+    """Greedy tokens of one process (the reference)."""
+    single = LLM(qwen3_dir, **ENGINE_OPTS)
     want = _tokens(single)
     single.close()
     assert len({tuple(t) for t in want}) == len(PROMPTS)  # the continuations differ: a real check
-    llm = LLM(qwen3_dir, tensor_parallel_size=2, **opts)
+    return want
+
+
+def test_llm_tp2_greedy_parity_and_shutdown(qwen3_dir: str, single_tokens: list[list[int]]) -> None:
+    want = single_tokens
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, **ENGINE_OPTS)
     try:
         assert _tokens(llm) == want
         phases = llm.stats()["roofline"]
@@ -256,6 +265,46 @@ def test_llm_tp2_dead_worker_is_an_error_on_rank_0(qwen3_dir: str) -> None:
         assert time.monotonic() - t0 < 10
     finally:
         llm.close()
+
+
+_TORCHRUN_SCRIPT = """
+import json, sys
+from flashpage import LLM, SamplingParams
+opts = json.loads(sys.argv[2])
+llm = LLM(sys.argv[1], tensor_parallel_size=2, **opts)
+prompts = json.loads(sys.argv[3])
+outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                    SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+llm.close()
+"""
+
+
+def test_llm_tp2_under_torchrun(qwen3_dir: str, single_tokens: list[list[int]], tmp_path: Any) -> None:
+    """``torchrun`` starts both ranks: rank 0 is the engine, rank 1 serves inside ``LLM(...)`` and exits."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "tp_script.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+    ]
+    cmd += [qwen3_dir, json.dumps(ENGINE_OPTS), json.dumps(PROMPTS)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS ")]
+    assert len(lines) == 1  # printed by rank 0 only: rank 1 never returns from LLM(...)
+    assert json.loads(lines[0][len("TOKENS ") :]) == single_tokens
 
 
 @pytest.mark.slow
