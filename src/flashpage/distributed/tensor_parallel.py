@@ -79,6 +79,10 @@ __all__ = [
 #: others after at most this long (gloo reports a closed peer at once; NCCL needs the timeout).
 COLLECTIVE_TIMEOUT_S = 300.0
 
+#: Timeout of the control group's step broadcast, on which idle workers wait between requests: an idle
+#: engine must not time its workers out (a dead rank 0 still closes their gloo sockets at once).
+IDLE_TIMEOUT_S = 365 * 24 * 3600.0
+
 #: How long close() waits for the workers to exit after the stop message before killing them.
 SHUTDOWN_WAIT_S = 30.0
 
@@ -251,19 +255,23 @@ class TensorParallel:
         return torch.cat(parts, dim=-1)[:, :vocab_size]
 
 
-class ColumnParallelLinear(nn.Module):
-    """``y_r = x W_r^T + b_r``: the rank's slice ``W_r`` of the output rows; the output stays split.
-
-    Args:
-        weight / bias: this rank's rows ``(out / N, in)`` / ``(out / N,)``.
-        tp: the rank (its collectives).
-    """
+class _ShardedLinear(nn.Module):
+    """A rank's weight and bias (inference: no gradients) and its collectives."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, tp: TensorParallel) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.tp = tp
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """``y_r = x W_r^T + b_r``: the rank's slice ``W_r`` of the output rows; the output stays split.
+
+    Args:
+        weight / bias: this rank's rows ``(out / N, in)`` / ``(out / N,)``.
+        tp: the rank (its collectives).
+    """
 
     @classmethod
     def from_full(
@@ -279,19 +287,13 @@ class ColumnParallelLinear(nn.Module):
         return self.tp.column_parallel_linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """``y = sum_r x_r W_r^T + b``: the rank's input columns ``W_r``, one all-reduce, the bias once.
 
     Args:
         weight: this rank's columns ``(out, in / N)``; bias: the full ``(out,)``.
         tp: the rank (its collectives).
     """
-
-    def __init__(self, weight: Tensor, bias: Tensor | None, tp: TensorParallel) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.tp = tp
 
     @classmethod
     def from_full(cls, weight: Tensor, bias: Tensor | None, tp: TensorParallel) -> RowParallelLinear:
@@ -496,14 +498,15 @@ def rank_device(device: torch.device, local_rank: int) -> torch.device:
 def _init_group(
     backend: str, rank: int, world_size: int, init_method: str | None
 ) -> tuple[TensorParallel, Any]:
-    """Initialise the default group (unless already done) and a gloo control group over the same ranks."""
+    """Initialise the default group (unless already done) and a gloo control group over the same ranks
+    (CPU tensors, no timeout while idle)."""
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     if not dist.is_initialized():
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
         )
     tp = TensorParallel.from_group(None)
-    ctrl = dist.new_group(backend="gloo", timeout=timeout) if dist.get_backend() != "gloo" else None
+    ctrl = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S))
     return tp, ctrl
 
 
