@@ -542,8 +542,6 @@ def _serve_steps(engine_config: Any, tp: TensorParallel, ctrl: Any, device: torc
     """A worker rank: load, shard, build the runner, then run every step rank 0 sends until stop."""
     from flashpage.models.loader import load_model
 
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     loaded = load_model(
         engine_config.model,
         dtype=dtype,
@@ -572,6 +570,8 @@ def _spawned_worker(rank: int, world_size: int, port: int, engine_config: Any, d
             _set_cpu_threads(world_size)
         backend = "nccl" if device.type == "cuda" else "gloo"
         device = rank_device(device, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # before the group: NCCL binds this rank to its GPU
         tp, ctrl = _init_group(backend, rank, world_size, f"tcp://127.0.0.1:{port}")
         _serve_steps(engine_config, tp, ctrl, device, dtype)
     except BaseException:
