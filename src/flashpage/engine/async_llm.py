@@ -100,6 +100,11 @@ class StepReport:
     duration_s: float = 0.0
 
 
+def _fan_out(items: list[tuple[RequestStream, Any]]) -> None:
+    for s, item in items:
+        s.queue.put_nowait(item)
+
+
 class RequestStream:
     """The outputs of one request added by :meth:`AsyncLLM.add_request`.
 
@@ -365,14 +370,16 @@ class AsyncLLM:
             # Nothing could be scheduled (e.g. waiting for blocks): do not spin.
             time.sleep(0.001)
         st = self._state
+        # One wake-up of each event loop per step, not one per request.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         with st.lock:
-            targets = [(out, st.streams.get(out.request_id)) for out in outputs]
             for out in outputs:
-                if out.finished:
-                    st.streams.pop(out.request_id, None)
-        for out, s in targets:
-            if s is not None:
-                self._deliver(s, out)
+                s = st.streams.pop(out.request_id, None) if out.finished else st.streams.get(out.request_id)
+                if s is not None:
+                    batches.setdefault(s.loop, []).append((s, out))
+        for loop, items in batches.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+                loop.call_soon_threadsafe(_fan_out, items)
         self._refresh_gauges()
         self._report(StepReport(outputs, decisions, self._gauges, dt))
 

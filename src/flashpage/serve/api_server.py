@@ -140,16 +140,31 @@ class _ServerState:
 # ---------------------------------------------------------------------------- the ASGI body limit
 
 
-class _BodyLimit:
-    """Refuses request bodies over ``limit`` bytes with a 413 (by header or while reading)."""
+class _Guard:
+    """The checks every request passes before the app, as plain ASGI (no per-chunk cost on streams):
+    the API key on ``/v1`` routes (401) and the body size (413, by header or while reading)."""
 
-    def __init__(self, app: Any, limit: int) -> None:
+    def __init__(self, app: Any, limit: int, api_key: str | None) -> None:
         self.app = app
         self.limit = limit
+        self.key = api_key.encode() if api_key else None
+
+    def _authorized(self, scope: dict[str, Any]) -> bool:
+        if self.key is None or not scope.get("path", "").startswith("/v1"):
+            return True
+        got = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+        scheme, _, token = got.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Any]], send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if not self._authorized(scope):
+            err = ApiError(
+                401, "invalid or missing API key", type="authentication_error", code="invalid_api_key"
+            )
+            await err.response()(scope, receive, send)
             return
         too_big = ApiError(413, f"request body larger than {self.limit} bytes", code="request_too_large")
         for k, v in scope.get("headers", ()):
@@ -162,7 +177,6 @@ class _BodyLimit:
                     await ApiError(400, "invalid Content-Length header").response()(scope, receive, send)
                     return
         seen = 0
-        started = False
 
         async def limited_receive() -> Any:
             nonlocal seen
@@ -173,17 +187,10 @@ class _BodyLimit:
                     raise _TooLarge
             return msg
 
-        async def tracking_send(msg: Any) -> None:
-            nonlocal started
-            if msg["type"] == "http.response.start":
-                started = True
-            await send(msg)
-
         try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await too_big.response()(scope, receive, send)
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:  # raised while a handler reads its body, before it answers
+            await too_big.response()(scope, receive, send)
 
 
 class _TooLarge(Exception):
@@ -512,21 +519,6 @@ def build_app(
         log.exception("unhandled error on %s", request.url.path)
         return ApiError(500, "internal server error", type="server_error").response()
 
-    # ---------------------------------------------------------------- auth
-
-    key = config.api_key.encode() if config.api_key else None
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if key is not None and request.url.path.startswith("/v1"):
-            got = request.headers.get("authorization", "")
-            scheme, _, token = got.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
-                return ApiError(
-                    401, "invalid or missing API key", type="authentication_error", code="invalid_api_key"
-                ).response()
-        return await call_next(request)
-
     # ---------------------------------------------------------------- routes
 
     @app.get("/health")
@@ -627,7 +619,7 @@ def build_app(
         return HTMLResponse((static / "index.html").read_text(encoding="utf-8"))
 
     app.mount("/static", StaticFiles(directory=str(static)), name="static")
-    return _BodyLimit(app, config.max_body_bytes)  # type: ignore[return-value]
+    return _Guard(app, config.max_body_bytes, config.api_key)  # type: ignore[return-value]
 
 
 def _page_stats(state: _ServerState) -> dict[str, Any]:

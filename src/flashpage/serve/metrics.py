@@ -17,7 +17,6 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from flashpage.engine.async_llm import EngineGauges, StepReport
-from flashpage.engine.outputs import RequestOutput
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
@@ -182,14 +181,56 @@ class ServerMetrics:
         self.kv_cache_usage_perc.labels(name).set(g.kv_usage)
         self.prefix_cache_hit_rate.labels(name).set(g.prefix_cache_hit_rate)
         now = time.time()
-        new_tokens = 0
+        # Per-request work is kept to plain arithmetic; each metric is touched once per step
+        # (this runs in the engine thread, between steps).
+        new_tokens = new_prompt = 0
+        ttfts: list[float] = []
+        queue_times: list[float] = []
+        itls: list[float] = []
+        e2es: list[float] = []
+        reasons: dict[str, int] = {}
         for out in report.outputs:
-            new_tokens += self._observe_output(out, now)
+            m = out.metrics
+            delta = sum(len(c.delta_token_ids) for c in out.outputs)
+            if delta:
+                new_tokens += delta
+                if m.num_generation_tokens == delta:  # the request's first tokens
+                    new_prompt += len(out.prompt_token_ids)
+                    if m.ttft is not None:
+                        ttfts.append(m.ttft)
+                    if m.time_in_queue is not None:
+                        queue_times.append(m.time_in_queue)
+                k = len(out.outputs[0].delta_token_ids)
+                tt = m.token_times
+                itls.extend(tt[i] - tt[i - 1] for i in range(max(1, len(tt) - k), len(tt)))
+            if out.finished:
+                if m.e2e_latency is not None:
+                    e2es.append(m.e2e_latency)
+                for c in out.outputs:
+                    r = c.finish_reason or "abort"
+                    reasons[r] = reasons.get(r, 0) + 1
+        if new_tokens:
+            self.generation_tokens.labels(name).inc(new_tokens)
+        if new_prompt:
+            self.prompt_tokens.labels(name).inc(new_prompt)
+        for hist, values in (
+            (self.ttft, ttfts),
+            (self.queue_time, queue_times),
+            (self.itl, itls),
+            (self.e2e, e2es),
+        ):
+            if values:
+                child = hist.labels(name)
+                for v in values:
+                    child.observe(v)
+        for r, n in reasons.items():
+            self.request_success.labels(name, r).inc(n)
         with self._lock:
             if g.num_preemptions > self._last_preemptions:
                 self.num_preemptions.labels(name).inc(g.num_preemptions - self._last_preemptions)
                 self._last_preemptions = g.num_preemptions
             self._gauges = g
+            self._ttfts.extend((now, t) for t in ttfts)
             if new_tokens:
                 self._tokens.append((now, new_tokens))
             while self._tokens and self._tokens[0][0] < now - _WINDOW_S:
@@ -199,32 +240,6 @@ class ServerMetrics:
             for (phase, kernel, splits), steps in report.decisions.items():
                 self.roofline_steps.labels(name, phase, kernel, str(splits)).inc(steps)
                 self._decisions[phase] = {"kernel": kernel, "num_splits": splits, "time": now}
-
-    def _observe_output(self, out: RequestOutput, now: float) -> int:
-        """Token counts and latencies of one request output; returns its new tokens."""
-        name = self.model_name
-        m = out.metrics
-        delta = sum(len(c.delta_token_ids) for c in out.outputs)
-        if delta and m.num_generation_tokens == delta:  # the request's first tokens
-            self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
-            if m.ttft is not None:
-                self.ttft.labels(name).observe(m.ttft)
-                with self._lock:
-                    self._ttfts.append((now, m.ttft))
-            if m.time_in_queue is not None:
-                self.queue_time.labels(name).observe(m.time_in_queue)
-        if delta:
-            self.generation_tokens.labels(name).inc(delta)
-            k = len(out.outputs[0].delta_token_ids) if out.outputs else 0
-            tt = m.token_times
-            for i in range(max(1, len(tt) - k), len(tt)):
-                self.itl.labels(name).observe(tt[i] - tt[i - 1])
-        if out.finished:
-            if m.e2e_latency is not None:
-                self.e2e.labels(name).observe(m.e2e_latency)
-            for c in out.outputs:
-                self.request_success.labels(name, c.finish_reason or "abort").inc()
-        return delta
 
     # ------------------------------------------------------------------ reads
 
