@@ -21,21 +21,14 @@ from torch import Tensor
 
 from flashpage.ops import flash_bwd as fb
 from flashpage.ops import flash_fwd as ff
-from flashpage.ops import kvcache
-from flashpage.ops import paged_decode as pd
+from flashpage.ops import paged_launch as pl
 from flashpage.ops.flash_configs import BwdConfig
 from flashpage.ops.kvcache import flash_attn_with_kvcache
-from flashpage.ops.launch_cache import (
-    LaunchCache,
-    aligned,
-    cdiv,
-    int_spec,
-    int_specs,
-    next_pow2,
-    programs_per_sm,
-)
+from flashpage.ops.launch_cache import LaunchCache, aligned, int_spec, int_specs
+from flashpage.ops.paged_kernel import combine_kernel, paged_attn_kernel
 from flashpage.ops.paged_plan import DecodePlan, plan_decode, run_decode
 from flashpage.ops.reference import attention_ref, varlen_attention_ref
+from flashpage.ops.utils import cdiv, next_pow2, programs_per_sm
 from tests.tolerance import assert_close_to_ref
 
 
@@ -276,7 +269,18 @@ def test_backward_replays_bit_identically(
         assert "_PRE_LAUNCHES" in used and ("_DQ_LAUNCHES" in used) == (cfg.dq_mode == "separate")
 
 
-_PAGED_CACHES = {"_PAGED_LAUNCHES": pd._paged_attn_kernel, "_COMBINE_LAUNCHES": pd._combine_kernel}
+def _fresh_launcher(monkeypatch: pytest.MonkeyPatch, device: str) -> tuple[pl.PagedLauncher, dict[str, _FakeJit]]:
+    """A new eager :class:`~flashpage.ops.paged_launch.PagedLauncher` in place of the shared one; on
+    CPU its kernels launch through the stand-in (returned by attribute name; on CUDA ``{}``)."""
+    launcher = pl.PagedLauncher()
+    fakes = {}
+    for attr, kernel in (("_main", paged_attn_kernel), ("_combine", combine_kernel)):
+        fn = kernel if device == "cuda" else _FakeJit(kernel)
+        if device != "cuda":
+            fakes[attr] = fn
+        setattr(launcher, attr, LaunchCache(fn))
+    monkeypatch.setattr(pl, "_EAGER", launcher)
+    return launcher, fakes
 
 
 @pytest.mark.parametrize(
@@ -301,10 +305,7 @@ def test_paged_attention_replays_bit_identically(
         return out  # type: ignore[return-value]
 
     def fresh() -> dict[str, _FakeJit]:
-        memo = pd.PagedLaunches()
-        monkeypatch.setattr(pd, "EAGER_LAUNCHES", memo)
-        monkeypatch.setattr(kvcache, "EAGER_LAUNCHES", memo)
-        return _fresh_caches(monkeypatch, device, pd, _PAGED_CACHES)
+        return _fresh_launcher(monkeypatch, device)[1]
 
     fakes = fresh()
     calls = [([40, 77, 128], None), ([9, 100, 33], None), ([40, 77, 128], slopes), ([120, 5, 64], slopes)]
@@ -317,13 +318,13 @@ def test_paged_attention_replays_bit_identically(
         want = run(q, lens, a)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), lens
     if fakes:
-        assert fakes["_PAGED_LAUNCHES"].replays >= 3
-        assert (fakes["_COMBINE_LAUNCHES"].replays >= 3) == (splits > 1)
-    other = slopes.contiguous()  # same values, batch stride h: must not replay the strided plan
-    fakes = fresh()
+        assert fakes["_main"].replays >= 3
+        assert (fakes["_combine"].replays >= 3) == (splits > 1)
+    other = slopes.contiguous()  # same values, batch stride h: must not replay the strided launch
+    launcher, _ = _fresh_launcher(monkeypatch, device)
     run(qs[2], calls[2][0], slopes)
     torch.testing.assert_close(run(qs[2], calls[2][0], other)[0], replayed[2][0], rtol=0, atol=0)
-    assert len(pd._PAGED_LAUNCHES) == 2
+    assert len(launcher) == 2
 
 
 def test_run_decode_relaunches_the_compiled_kernels(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
@@ -337,7 +338,7 @@ def test_run_decode_relaunches_the_compiled_kernels(monkeypatch: pytest.MonkeyPa
         return plan_decode(b, h, hk, d, block_size=bs, max_seqlen_k=128, q_dtype=torch.float32,
                            device=device, num_splits=3)  # fmt: skip
 
-    fakes = _fresh_caches(monkeypatch, device, pd, _PAGED_CACHES)
+    _, fakes = _fresh_launcher(monkeypatch, device)
     p = plan()
     calls = [
         (torch.randn(b, h, d), torch.tensor(lens, dtype=torch.int32))
@@ -345,10 +346,10 @@ def test_run_decode_relaunches_the_compiled_kernels(monkeypatch: pytest.MonkeyPa
     ]
     got = [run_decode(p, q, k_cache, v_cache, table, lens) for q, lens in calls + calls[::-1]]
     if fakes:
-        for name in _PAGED_CACHES:
+        for name in ("_main", "_combine"):
             assert fakes[name].launches == 1 and fakes[name].replays == 3, name
     for (q, lens), out in zip(calls + calls[::-1], got, strict=True):
-        _fresh_caches(monkeypatch, device, pd, _PAGED_CACHES)
+        _fresh_launcher(monkeypatch, device)
         assert torch.equal(run_decode(plan(), q, k_cache, v_cache, table, lens), out)
 
 
@@ -523,7 +524,7 @@ def test_every_kernel_launch_pins_fp_fusion(monkeypatch: pytest.MonkeyPatch, dev
     )
     expected = {
         "_rms_norm_kernel", "_rope_kernel", "_silu_mul_kernel", "_reshape_and_cache_kernel", "_attn_fwd_kernel",
-        "_attn_probs_kernel", "_paged_attn_kernel", "_combine_kernel",
+        "_attn_probs_kernel", "paged_attn_kernel", "combine_kernel",
     }  # fmt: skip
     assert expected <= seen.keys(), sorted(seen)
     assert any(name.startswith("_bwd") for name in seen), sorted(seen)

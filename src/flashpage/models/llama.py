@@ -371,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
             )
         # Derived per-step tensors memoised by the attention path live for one forward only (a captured
         # CUDA-graph step reuses its metadata object with new buffer contents).
-        meta.scratch.clear()
+        meta.begin_forward()
         c = self.config
         k0 = kv_caches[0][0]
         if k0.dim() != 4 or k0.shape[2] != c.num_kv_heads or k0.shape[3] != c.head_dim:

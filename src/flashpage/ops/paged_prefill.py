@@ -19,15 +19,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flashpage.ops.flash_configs import gpu_family, triton_version
-from flashpage.ops.paged_decode import (
-    EAGER_LAUNCHES,
+from flashpage.ops.paged_launch import (
     PagedAttnConfig,
+    PagedProblem,
     check_paged_cache,
     check_paged_values,
     default_decode_config,
-    resolve_launch,
+    eager_launcher,
 )
+from flashpage.ops.paged_plan import choose_launch
+from flashpage.ops.utils import default_num_sms, gpu_family, triton_version
 
 __all__ = [
     "DECODE_ROWS",
@@ -200,7 +201,7 @@ def paged_prefill(
         )
     config = config or default_prefill_config(d, q.device, k_cache.dtype, k_cache.shape[1])
     seqlen_bound = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * k_cache.shape[1]
-    config, _, splits = resolve_launch(
+    choice = choose_launch(
         config,
         num_splits,
         batch,
@@ -209,16 +210,15 @@ def paged_prefill(
         k_cache.shape[2],
         k_cache.dtype,
         seqlen_bound,
-        q.device,
+        default_num_sms(q.device),
     )
     out = torch.empty_like(q)
     lse = torch.empty(nheads, total_q, dtype=torch.float32, device=q.device) if return_lse else None
     if total_q and batch:
-        EAGER_LAUNCHES.launch(
-            q, k_cache, v_cache, out, seqlens_k, max_seqlen_q=max_seqlen_q, block_table=block_table,
-            cu_seqlens_q=cu_seqlens_q, lse=lse,
-            softmax_scale=softmax_scale if softmax_scale is not None else d**-0.5, causal=causal,
-            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, k_scale=k_scale,
-            v_scale=v_scale, num_splits=splits, config=config,
+        problem = PagedProblem(
+            q, k_cache, v_cache, out, seqlens_k, max_seqlen_q, softmax_scale if softmax_scale is not None else d**-0.5,
+            block_table=block_table, cu_seqlens_q=cu_seqlens_q, lse=lse, causal=causal, window_size=window_size,
+            softcap=softcap, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
+        eager_launcher().launch(problem, choice.config, choice.num_splits)
     return (out, lse) if lse is not None else out
