@@ -62,7 +62,9 @@ def _describe(plan: Any) -> str:
     )
 
 
-def run_case(name: str, batch: int, ctx: int, layers: int, graphs: bool, steps: int, tiny: bool) -> dict[str, Any]:
+def run_case(
+    name: str, batch: int, ctx: int, layers: int, graphs: bool, steps: int, tiny: bool
+) -> dict[str, Any]:
     from flashpage.engine.model_runner import ModelRunner, RunnerConfig
     from flashpage.engine.scheduler import ScheduledSeq
     from flashpage.models.config import get_builtin_config
@@ -75,7 +77,15 @@ def run_case(name: str, batch: int, ctx: int, layers: int, graphs: bool, steps: 
     if layers:
         changes["num_layers"] = layers
     if tiny:
-        changes.update(num_layers=2, hidden_size=256, intermediate_size=512, vocab_size=512)
+        changes.update(
+            num_layers=2,
+            hidden_size=128,
+            intermediate_size=256,
+            vocab_size=256,
+            num_heads=8,
+            num_kv_heads=2,
+            head_dim=32,
+        )
     cfg = dataclasses.replace(cfg, **changes)
     loaded = load_model("llama-3-8b", dtype=dtype, device=dev, load_format="dummy", config=cfg, seed=0)
     bs = 16
@@ -91,7 +101,10 @@ def run_case(name: str, batch: int, ctx: int, layers: int, graphs: bool, steps: 
         runner.capture_graphs(emulate=True)
     plans: list[Any] = []
     _record_plans(plans)
-    seqs = [SimpleNamespace(token_ids=[1] * ctx, block_table=list(range(i * nblk, (i + 1) * nblk))) for i in range(batch)]
+    seqs = [
+        SimpleNamespace(token_ids=[1] * ctx, block_table=list(range(i * nblk, (i + 1) * nblk)))
+        for i in range(batch)
+    ]
     scheduled = [ScheduledSeq(s, ctx - 1, 1, True) for s in seqs]  # type: ignore[arg-type]
     for _ in range(3):  # warm-up: compiles, binds
         runner.execute(scheduled)

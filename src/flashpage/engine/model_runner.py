@@ -560,7 +560,7 @@ class ModelRunner:
                 f"CUDA graph capture failed, decode runs eagerly: {type(e).__name__}: {e}", stacklevel=2
             )
             self._graphs.clear()
-        self._graph_buckets = sorted({b for b, _ in self._graphs})
+        self._graph_buckets = sorted({key[0] for key in self._graphs})
         self.graph_capture_s = time.perf_counter() - t0
 
     def _graph_meta(self, b: int, launch: tuple[int, int]) -> AttentionMetadata:

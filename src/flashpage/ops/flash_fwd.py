@@ -16,8 +16,7 @@ side of the loop into three parts: ``[lo, fs)`` tiles crossing the window's left
 ``[fs, fe)`` tiles every row sees entirely (the hot loop: no mask arithmetic, no bounds checks) and
 ``[fe, hi)`` the diagonal / right-window / sequence-end tiles (masked). Tiles wholly outside the
 window are never visited. With causal masking the programs start with the heaviest (last) row tiles
-of each head (not of all heads at once: that order read 3-36% slower on the H200, 2026-12-03, the
-heads' K/V no longer shared in L2 by the programs running together). Padded unmasked problems
+of each head (not of all heads at once: the programs running together then share no K/V in L2). Padded unmasked problems
 whose row tiles end in a partial wave split that wave's key ranges over all SMs (:class:`TailSplit`).
 
 Masked rows: a query row with no visible key keeps ``m = -inf`` and ``l = 0``; it outputs zeros and

@@ -2,11 +2,8 @@
 
 ``kernel[grid](*args, **kwargs)`` re-derives everything on each call: Triton binds the ~50
 arguments of our attention kernels, specialises each (dtype, 16-byte alignment, ``== 1``,
-multiple of 16), builds a cache key string, reads its knobs and only then launches. On the H200
-machine's CPU that is ~80 us for the forward kernel with TMA descriptors (measured 2026-12-03:
-binder 13 us, key 2 us, the launch itself 15 us, the rest Python around it), against 28 us for a
-whole SDPA call, and a 1k-token eager forward's kernel runs 0.2 ms: the host cost decides whether
-the GPU waits.
+multiple of 16), builds a cache key string, reads its knobs and only then launches: tens of
+microseconds of host time, as long as a short kernel (figures: docs/perf-notes.md).
 
 A :class:`LaunchCache` remembers per *launch key* (computed by the caller from what it already
 knows: the validated problem, the tile config, dtypes, strides, pointer alignment) the compiled

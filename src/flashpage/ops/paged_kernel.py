@@ -375,10 +375,26 @@ def paged_attn_kernel(
         # Even and odd columns back into the head dim's order: column 2c is acc[:, c], 2c + 1 acc2[:, c].
         acc = tl.reshape(tl.join(acc, acc2), (BLOCK_M, BLOCK_D))
 
+    _write_output(
+        acc, l_i, m_i, VScale + kvh, Out, Lse, MidO, MidLse, tok, head, split, row_ok, d_ok, offs_d,
+        stride_ot, stride_oh, stride_lh, stride_lt, stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
+        KV_FP8, SPLIT, WRITE_LSE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _write_output(
+    acc, l_i, m_i, v_scale_ptr, Out, Lse, MidO, MidLse, tok, head, split, row_ok, d_ok, offs_d,
+    stride_ot, stride_oh, stride_lh, stride_lt, stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
+    KV_FP8: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
+):  # fmt: skip
+    """Normalise a program's rows and store them: the output (and natural-log LSE) unsplit, else the
+    split's float32 partial output and log2-sum-exp in the workspace (fp8: times the V scale at
+    ``v_scale_ptr``). Rows that saw no key get zeros and ``-inf``."""
     nonempty = l_i > 0.0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     if KV_FP8:
-        o = o * tl.load(VScale + kvh)
+        o = o * tl.load(v_scale_ptr)
     lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     out_mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:

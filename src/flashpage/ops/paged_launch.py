@@ -429,7 +429,7 @@ class PagedLauncher:
             return
         if len(self._bound) >= self.max_items:
             self._bound.clear()
-        self._bound[key] = replace(bound, workspace=None) if bound.workspace is not None else bound
+        self._bound[key] = bound
 
     def bind(
         self,
