@@ -85,6 +85,8 @@ def run_case(
             num_heads=8,
             num_kv_heads=2,
             head_dim=32,
+            bos_token_id=1,
+            eos_token_ids=(2,),
         )
     cfg = dataclasses.replace(cfg, **changes)
     loaded = load_model("llama-3-8b", dtype=dtype, device=dev, load_format="dummy", config=cfg, seed=0)

@@ -288,7 +288,9 @@ def main() -> None:
                 plan, q, kc, vc, bt, sl
             ),
         }
-        ns = choose_launch(PagedAttnConfig(), 0, b, 1, hk, hk, torch.bfloat16, ctx, default_num_sms(q.device)).num_splits
+        ns = choose_launch(
+            PagedAttnConfig(), 0, b, 1, hk, hk, torch.bfloat16, ctx, default_num_sms(q.device)
+        ).num_splits
         for ppt, st in ((4, 3), (2, 6), (2, 3)):
             fns[f"gluon {ppt}x{st}"] = lambda ppt=ppt, st=st, q=q, kc=kc, vc=vc, bt=bt, sl=sl, ns=ns: (
                 gluon_paged_decode(q, kc, vc, bt, sl, ns, ppt, st, merge=False)

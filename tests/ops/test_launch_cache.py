@@ -269,7 +269,9 @@ def test_backward_replays_bit_identically(
         assert "_PRE_LAUNCHES" in used and ("_DQ_LAUNCHES" in used) == (cfg.dq_mode == "separate")
 
 
-def _fresh_launcher(monkeypatch: pytest.MonkeyPatch, device: str) -> tuple[pl.PagedLauncher, dict[str, _FakeJit]]:
+def _fresh_launcher(
+    monkeypatch: pytest.MonkeyPatch, device: str
+) -> tuple[pl.PagedLauncher, dict[str, _FakeJit]]:
     """A new eager :class:`~flashpage.ops.paged_launch.PagedLauncher` in place of the shared one; on
     CPU its kernels launch through the stand-in (returned by attribute name; on CUDA ``{}``)."""
     launcher = pl.PagedLauncher()
