@@ -267,7 +267,7 @@ def test_decode_graph_buffers_padding_and_buckets(
 
 def test_decode_plan_is_the_planners_launch(tiny_loaded: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's decode plan is the library planner's (what ``bench decode``'s planner rows time:
-    ``plan_decode`` with ``num_splits=0``), one plan per step carried on the metadata; the CUDA-graph
+    ``plan_decode`` with ``num_splits=0``), reused by the next steps of the same batch and launch; the CUDA-graph
     buckets hold a graph key for each launch the planner can pick, and the stats record the launched
     split count."""
     from flashpage.ops.paged_plan import plan_decode
@@ -289,6 +289,7 @@ def test_decode_plan_is_the_planners_launch(tiny_loaded: Any, monkeypatch: pytes
         bucket = next(b for b in (1, 2, 4, 6) if b >= batch)
         prev = {1: 0, 2: 1, 4: 2, 6: 4}[bucket]
         assert key in runner._possible_launches(bucket, prev)
+        assert runner._decode_plan(batch, ctx) is plan  # the next step of this launch reuses the plan
 
 
 def test_add_and_abort_from_another_thread_while_stepping(

@@ -281,6 +281,7 @@ class ModelRunner:
         self._decode_config = default_decode_config(dtype, self.head_dim)
         self._num_sms = default_num_sms(self.device)
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._decode_plans: dict[tuple[int, int, int], DecodePlan | None] = {}
         self._graph_buckets: list[int] = []
         self.use_graphs = self.device.type == "cuda" and self.backend == "triton" and not config.enforce_eager
         self.graph_capture_s = 0.0
@@ -467,17 +468,25 @@ class ModelRunner:
     def _decode_plan(
         self, batch: int, max_seqlen_k: int, launch: tuple[int, int] | None = None
     ) -> DecodePlan | None:
-        """The step's decode plan (``None`` off the Triton backend): the planner's launch, or the
-        given ``(heads per program, splits)`` (graph capture)."""
+        """The step's decode plan (``None`` off the Triton backend): the planner's launch for
+        ``batch`` sequences of at most ``max_seqlen_k`` keys, or the given ``(heads per program,
+        splits)`` (graph capture)."""
         if self.backend != "triton":
             return None
-        config, splits = self._decode_config, 0
-        if launch is not None:
-            config, splits = with_heads(config, launch[0]), launch[1]
+        if launch is None:
+            # Steps with the same batch and launch reuse one plan: its workspace, and the launch its
+            # first step bound (later steps relaunch it on every layer).
+            key = (batch, *self._launch_key(self._decode_choice(batch, max_seqlen_k)))
+            plan = self._decode_plans.get(key)
+            if plan is None:
+                if len(self._decode_plans) >= 256:
+                    self._decode_plans.clear()
+                plan = self._decode_plans[key] = self._decode_plan(batch, max_seqlen_k, key[1:])
+            return plan
         return plan_decode(
             batch, self.num_heads, self.num_kv_heads, self.head_dim, block_size=self.block_size,
             max_seqlen_k=max(max_seqlen_k, 1), q_dtype=self.dtype, kv_dtype=self.dtype, device=self.device,
-            num_splits=splits, config=config,
+            num_splits=launch[1], config=with_heads(self._decode_config, launch[0]),
         )  # fmt: skip
 
     @staticmethod
@@ -613,6 +622,7 @@ class ModelRunner:
         """Drop the graphs and the KV cache (frees device memory)."""
         self._graphs.clear()
         self._graph_buckets = []
+        self._decode_plans.clear()
         self.kv_caches = []
 
 
