@@ -62,6 +62,15 @@ def _describe(plan: Any) -> str:
     )
 
 
+def _graph_launch(runner: Any, batch: int, ctx: int, splits: int) -> str:
+    """The launch of the CUDA graph a decode step of ``batch`` x ``ctx`` replays."""
+    if hasattr(runner, "_decode_choice"):  # graphs keyed by (bucket, heads per program, splits)
+        g = runner._find_graph(batch, runner._decode_choice(batch, ctx))
+        return "graph: " + _describe(g.meta.decode_plan)
+    g = runner._find_graph(batch, splits)  # graphs keyed by (bucket, splits)
+    return f"graph: bucket {g.batch} splits {g.num_splits} (heads/program as resolve_launch gives for them)"
+
+
 def run_case(
     name: str, batch: int, ctx: int, layers: int, graphs: bool, steps: int, tiny: bool
 ) -> dict[str, Any]:
@@ -112,7 +121,6 @@ def run_case(
         runner.execute(scheduled)
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    plans.clear()
     t0 = time.perf_counter()
     for _ in range(steps):
         runner.execute(scheduled)
@@ -120,8 +128,9 @@ def run_case(
         torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) / steps * 1e3
     dec = runner.decisions["decode"].as_dict()
-    # Graph replays build no plan: the launch is the captured one of the matching key.
-    launched = _describe(plans[-1]) if plans else "(captured graph; see the eager row)"
+    launched = _describe(plans[-1]) if plans else "(no plan recorded)"
+    if dec["graph_steps"]:
+        launched = _graph_launch(runner, batch, ctx, dec["num_splits"])
     row = {"case": name, "batch": batch, "ctx": ctx, "layers": cfg.num_layers, "graphs": graphs,
            "ms_per_step": round(ms, 4), "graph_steps": dec["graph_steps"], "steps": dec["steps"],
            "recorded_num_splits": dec["num_splits"], "launch": launched}  # fmt: skip
