@@ -24,7 +24,7 @@ from flashpage.ops import flash_fwd as ff
 from flashpage.ops import paged_launch as pl
 from flashpage.ops.flash_configs import BwdConfig
 from flashpage.ops.kvcache import flash_attn_with_kvcache
-from flashpage.ops.launch_cache import LaunchCache, aligned, int_spec, int_specs
+from flashpage.ops.launch_cache import LaunchCache, aligned, int_spec, int_specs, kernel_launches
 from flashpage.ops.paged_kernel import combine_kernel, paged_attn_kernel
 from flashpage.ops.paged_plan import DecodePlan, plan_decode, run_decode
 from flashpage.ops.reference import attention_ref, varlen_attention_ref
@@ -79,14 +79,14 @@ class _FakeJit:
 def _fresh_caches(
     monkeypatch: pytest.MonkeyPatch, device: str, module: Any, kernels: dict[str, Any]
 ) -> dict[str, _FakeJit]:
-    """Replace ``module``'s LaunchCaches (attribute name -> kernel) with empty ones; on CPU they
-    launch through the stand-in, returned by attribute name (on CUDA: the real kernels, ``{}``)."""
+    """Give each kernel (label -> kernel) an empty LaunchCache (``kernel_launches``); on CPU they
+    launch through the stand-in, returned by label (on CUDA: the real kernels, ``{}``)."""
     fakes = {}
     for name, kernel in kernels.items():
         fn = kernel if device == "cuda" else _FakeJit(kernel)
         if device != "cuda":
             fakes[name] = fn
-        monkeypatch.setattr(module, name, LaunchCache(fn))
+        monkeypatch.setattr(kernel, "_flashpage_launches", LaunchCache(fn), raising=False)
     return fakes
 
 
@@ -137,7 +137,7 @@ def test_padded_calls_replay_and_match(replay_cache: _FakeJit | None) -> None:
         torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=0)
         if replay_cache is not None:
             assert replay_cache.launches == 1 and replay_cache.replays == i
-    assert len(ff._FWD_LAUNCHES) == 1
+    assert len(kernel_launches(ff._attn_fwd_kernel)) == 1
 
 
 def test_dropout_seed_replays_bit_identically(replay_cache: _FakeJit | None) -> None:
@@ -201,10 +201,10 @@ def test_new_metadata_makes_a_new_plan(replay_cache: _FakeJit | None) -> None:
     ref = attention_ref(qc, k, v, window_size=(3, 2))[0]
     assert_close_to_ref(out, ref, ref)
     if replay_cache is not None:
-        assert len(ff._FWD_LAUNCHES) == 3
+        assert len(kernel_launches(ff._attn_fwd_kernel)) == 3
         assert replay_cache.launches == 3 and replay_cache.replays == 1
     else:  # CUDA: the tail-split decision also compiles (and keeps) a tail variant per launch key
-        assert len(ff._FWD_LAUNCHES) >= 3
+        assert len(kernel_launches(ff._attn_fwd_kernel)) >= 3
 
 
 _BWD_CACHES = {
@@ -254,11 +254,11 @@ def test_backward_replays_bit_identically(
         )
         vk = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": max(lens), "max_seqlen_k": max(lens)}
         replayed = grads(qv, kv, vv, dov, **vk)
-        saved = {name: getattr(fb, name) for name in _BWD_CACHES}
+        saved = {name: kernel_launches(kernel) for name, kernel in _BWD_CACHES.items()}
         _fresh_caches(monkeypatch, device, fb, _BWD_CACHES)
         fresh = grads(qv, kv, vv, dov, **vk)
         for name, cache in saved.items():
-            monkeypatch.setattr(fb, name, cache)
+            monkeypatch.setattr(_BWD_CACHES[name], "_flashpage_launches", cache)
         for a, b in zip(fresh, replayed, strict=True):
             assert torch.equal(a, b)
     if fakes:
@@ -281,7 +281,7 @@ def _fresh_launcher(
         if device != "cuda":
             fakes[attr] = fn
         setattr(launcher, attr, LaunchCache(fn))
-    monkeypatch.setattr(pl, "_EAGER", launcher)
+    monkeypatch.setattr(paged_attn_kernel, "_flashpage_eager", launcher, raising=False)
     return launcher, fakes
 
 

@@ -84,9 +84,10 @@ def test_prefill_relaunches_its_bound_launch(monkeypatch: pytest.MonkeyPatch) ->
     calls (new queries and caches, other key lengths, same layout) relaunch it, each with its own
     split workspace, and match the reference."""
     from flashpage.ops import paged_launch as pl
+    from flashpage.ops.paged_kernel import paged_attn_kernel
 
     memo = pl.PagedLauncher()
-    monkeypatch.setattr(pl, "_EAGER", memo)
+    monkeypatch.setattr(paged_attn_kernel, "_flashpage_eager", memo, raising=False)
     q, kc, vc, bt, sl, cu = _setup([20, 3], [70, 0], 32, 8, 1)
     cfg = PagedAttnConfig(block_m=16, block_n=16)
 

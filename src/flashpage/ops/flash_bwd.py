@@ -67,7 +67,7 @@ from flashpage.ops.flash_fwd import (
     tail_split_numbers,
     tma_row_view_ok,
 )
-from flashpage.ops.launch_cache import LaunchCache, aligned, int_spec
+from flashpage.ops.launch_cache import aligned, int_spec, kernel_launches
 from flashpage.ops.utils import cdiv, tma_supported
 
 __all__ = ["flash_bwd"]
@@ -648,19 +648,13 @@ def _tail_sum_kernel(
     )
 
 
-# Compiled launches of the four backward kernels by launch key (see flashpage.ops.launch_cache), and
-# the positions of each kernel's per-call arguments: its tensor / descriptor arguments, the LSE
+# Compiled launches live on each kernel (kernel_launches, see flashpage.ops.launch_cache); the positions of each kernel's per-call arguments: its tensor / descriptor arguments, the LSE
 # strides, seqlen_q, seqlen_k (the fused kernel: also its two tile counts) and the dropout seed.
-_PRE_LAUNCHES = LaunchCache(_bwd_preprocess_kernel)
-_DKDV_LAUNCHES = LaunchCache(_bwd_dkdv_kernel)
-_FUSED_LAUNCHES = LaunchCache(_bwd_fused_kernel)
-_DQ_LAUNCHES = LaunchCache(_bwd_dq_kernel)
 _PRE_SLOTS = (0, 1, 2, 3, 10, 11, 13)
 # (dK/dV and dQ: then the tail split's workspaces and numbers)
 _DKDV_SLOTS = (*range(15), 36, 37, 41, 42, *range(51, 58))
 _FUSED_SLOTS = (*range(16), 37, 38, 42, 43, 44, 45, 54)
 _DQ_SLOTS = (*range(12), 27, 28, 32, 33, *range(42, 48))
-_SUM_LAUNCHES = LaunchCache(_tail_sum_kernel)
 _SUM_SLOTS = (0, 1, 6, 7, 8, 9, 10)
 
 
@@ -700,7 +694,7 @@ def _launch_bwd(
                 prob.nheads, sq]  # fmt: skip
         return args, {"HEAD_DIM": d, "BLOCK_D": prob.block_d, "BLOCK_M": pre_bm, "VARLEN": vl, "num_warps": 4}
 
-    _PRE_LAUNCHES.launch(
+    kernel_launches(_bwd_preprocess_kernel).launch(
         pre_key, (cdiv(sq, pre_bm), prob.batch * prob.nheads), _PRE_SLOTS,
         (out, dout, delta, cq, stride_lb, stride_lh, sq), build_pre,
     )  # fmt: skip
@@ -789,7 +783,7 @@ def _launch_bwd(
                 }  # fmt: skip
                 return args, kwargs
 
-            _FUSED_LAUNCHES.launch(
+            kernel_launches(_bwd_fused_kernel).launch(
                 (*key, do_dv, int_spec(n_kv_tiles), int_spec(n_q_tiles)),
                 (n_kv_tiles + prob.group * n_q_tiles, prob.batch * prob.nheads_k), _FUSED_SLOTS,
                 (q, k, v, dout, lse, delta, dk, dv, dq, alibi, cq, ck, desc_q, desc_do, desc_k, desc_v,
@@ -831,12 +825,12 @@ def _launch_bwd(
         split = None
         if split_ok:
             split = plan_split_launch(
-                _DKDV_LAUNCHES, (*key, do_dk, do_dv, True), _DKDV_SLOTS, dkdv_placeholder,
+                kernel_launches(_bwd_dkdv_kernel), (*key, do_dk, do_dv, True), _DKDV_SLOTS, dkdv_placeholder,
                 n_kv_tiles * prob.batch * prob.nheads_k, prob.group * cdiv(sq, cfg.block_m1), resident, q.device,
             )  # fmt: skip
         if split is None:
             vals = dkdv_values(None, lse, lse)
-            _DKDV_LAUNCHES.launch(
+            kernel_launches(_bwd_dkdv_kernel).launch(
                 (*key, do_dk, do_dv, False), grid1, _DKDV_SLOTS, vals, dkdv_builder(vals, False)
             )
             continue
@@ -844,7 +838,7 @@ def _launch_bwd(
         dk_ws = lse.new_empty((n_slots, cfg.block_n1, prob.block_d)) if do_dk else lse
         dv_ws = lse.new_empty((n_slots, cfg.block_n1, prob.block_d)) if do_dv else lse
         vals = dkdv_values(split, dk_ws, dv_ws)
-        _DKDV_LAUNCHES.launch(
+        kernel_launches(_bwd_dkdv_kernel).launch(
             (*key, do_dk, do_dv, True),
             (split.n_main + split.n_tail,),
             _DKDV_SLOTS,
@@ -888,20 +882,20 @@ def _launch_bwd(
     split = None
     if split_ok:
         split = plan_split_launch(
-            _DQ_LAUNCHES, (*key, True), _DQ_SLOTS, dq_placeholder, n_q2 * prob.batch * prob.nheads,
+            kernel_launches(_bwd_dq_kernel), (*key, True), _DQ_SLOTS, dq_placeholder, n_q2 * prob.batch * prob.nheads,
             cdiv(sk, cfg.block_n2), resident, q.device,
         )  # fmt: skip
     if split is not None:
         dq_ws = lse.new_empty((split.tail_tiles * split.max_pieces, cfg.block_m2, prob.block_d))
         vals = dq_values(split, dq_ws)
-        _DQ_LAUNCHES.launch(
+        kernel_launches(_bwd_dq_kernel).launch(
             (*key, True), (split.n_main + split.n_tail,), _DQ_SLOTS, vals, dq_builder(vals, True)
         )
         _sum_tail(split, dq_ws, dq, prob.nheads, sq, cfg.block_m2, prob)
         return
 
     vals = dq_values(None, lse)
-    _DQ_LAUNCHES.launch(
+    kernel_launches(_bwd_dq_kernel).launch(
         (*key, False), (n_q2, prob.batch * prob.nheads), _DQ_SLOTS, vals, dq_builder(vals, False)
     )
 
@@ -932,7 +926,9 @@ def _sum_tail(
 
     key = (nheads, rows, prob.head_dim, grad.dtype, grad.device.index, grad.stride(), aligned(ws, grad))
     values = (ws, grad, seqlen, split.n_main, split.steps, split.piece_len, split.max_pieces)
-    _SUM_LAUNCHES.launch(key, (split.tail_tiles, prob.block_d // cols), _SUM_SLOTS, values, build)
+    kernel_launches(_tail_sum_kernel).launch(
+        key, (split.tail_tiles, prob.block_d // cols), _SUM_SLOTS, values, build
+    )
 
 
 def flash_bwd(

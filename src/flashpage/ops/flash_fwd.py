@@ -69,7 +69,7 @@ from flashpage.ops.flash_configs import (
     fwd_config,
     padded_head_dim,
 )
-from flashpage.ops.launch_cache import KERNEL_OPTIONS, LaunchCache, Memo, aligned, int_spec
+from flashpage.ops.launch_cache import KERNEL_OPTIONS, LaunchCache, Memo, aligned, int_spec, kernel_launches
 from flashpage.ops.utils import cdiv, programs_per_sm, tma_supported, ws_supported
 
 __all__ = [
@@ -909,10 +909,7 @@ def _tail_workspaces(
     return acc_ws, ml_ws
 
 
-# Compiled forward launches by launch key (like Triton's per-kernel compile cache, process-wide).
-_FWD_LAUNCHES = LaunchCache(_attn_fwd_kernel)
-_COMBINE_LAUNCHES = LaunchCache(_fwd_tail_combine_kernel)
-# Positions of the per-call arguments of ``_attn_fwd_kernel`` (LaunchCache slots): the thirteen
+# Compiled launches live on each kernel (kernel_launches). Positions of the per-call arguments of ``_attn_fwd_kernel`` (LaunchCache slots): the thirteen
 # tensor / descriptor arguments, the LSE strides, seqlen_q, seqlen_k, the dropout seed and the
 # tail split's numbers.
 _FWD_SLOTS = (*range(13), 25, 26, 30, 31, 39, 40, 41, 42, 43)
@@ -998,18 +995,20 @@ def _launch_fwd(
     split = None
     if tail_split_applies(cfg, prob):
         split = plan_split_launch(
-            _FWD_LAUNCHES, (*key, True), _FWD_SLOTS, placeholder, n_m * prob.batch * prob.nheads,
+            kernel_launches(_attn_fwd_kernel), (*key, True), _FWD_SLOTS, placeholder, n_m * prob.batch * prob.nheads,
             cdiv(sk, cfg.block_n), resident, q.device,
         )  # fmt: skip
     if split is None:
         vals = values(None, lse, lse)
-        _FWD_LAUNCHES.launch(
+        kernel_launches(_attn_fwd_kernel).launch(
             (*key, False), (n_m, prob.batch * prob.nheads), _FWD_SLOTS, vals, builder(vals, False)
         )
         return
     acc_ws, ml_ws = _tail_workspaces(split, cfg.block_m, prob.block_d, q.device)
     vals = values(split, acc_ws, ml_ws)
-    _FWD_LAUNCHES.launch((*key, True), (split.n_main + split.n_tail,), _FWD_SLOTS, vals, builder(vals, True))
+    kernel_launches(_attn_fwd_kernel).launch(
+        (*key, True), (split.n_main + split.n_tail,), _FWD_SLOTS, vals, builder(vals, True)
+    )
     _launch_tail_combine(prob, out, lse, acc_ws, ml_ws, split, cfg.block_m)
 
 
@@ -1035,7 +1034,7 @@ def _launch_tail_combine(
 
     ckey = (prob.nheads, d, block_m, prob.dropout_p, out.dtype, out.device.index, out.stride(),
             aligned(out, lse), int_spec(stride_lb), int_spec(stride_lh))  # fmt: skip
-    _COMBINE_LAUNCHES.launch(
+    kernel_launches(_fwd_tail_combine_kernel).launch(
         ckey, (split.tail_tiles, prob.block_d // cols), _COMBINE_SLOTS, cvals, build_combine
     )
 

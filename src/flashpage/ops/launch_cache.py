@@ -46,6 +46,7 @@ __all__ = [
     "aligned",
     "int_spec",
     "int_specs",
+    "kernel_launches",
 ]
 
 #: Compile options every flashpage kernel launch passes (``kernel[grid](..., **KERNEL_OPTIONS)``;
@@ -313,3 +314,13 @@ class LaunchCache:
         for i in slots:
             template[i] = None
         return template
+
+
+def kernel_launches(kernel: Any) -> LaunchCache:
+    """The :class:`LaunchCache` of ``kernel``: kept on the kernel object itself, as Triton keeps its
+    compile cache there, and made on first use. Each kernel has one, shared by every call site."""
+    cache = getattr(kernel, "_flashpage_launches", None)
+    if cache is None:
+        cache = LaunchCache(kernel)
+        kernel._flashpage_launches = cache
+    return cache

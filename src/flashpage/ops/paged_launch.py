@@ -554,14 +554,15 @@ class PagedLauncher:
         )
 
 
-# The eager entry points' launcher (paged_decode, paged_prefill, flash_attn_with_kvcache); a decode
-# plan binds its own launch through it too, but keeps that launch itself.
-_EAGER = PagedLauncher()
-
-
 def eager_launcher() -> PagedLauncher:
-    """The :class:`PagedLauncher` the eager entry points share."""
-    return _EAGER
+    """The :class:`PagedLauncher` the eager entry points share (``paged_decode``, ``paged_prefill``,
+    ``flash_attn_with_kvcache``; a decode plan binds through it but keeps its own launch). Kept on the
+    kernel object, as :func:`~flashpage.ops.launch_cache.kernel_launches` keeps a kernel's cache."""
+    launcher = getattr(paged_attn_kernel, "_flashpage_eager", None)
+    if launcher is None:
+        launcher = PagedLauncher()
+        paged_attn_kernel._flashpage_eager = launcher
+    return launcher
 
 
 def paged_kernel_constexprs(
