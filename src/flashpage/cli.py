@@ -207,6 +207,7 @@ def _add_serve_parser(sub: Any) -> None:
     e.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (or CPU processes) per model")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -245,6 +246,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     metrics.model_name = config.served_model_names[0] if config.served_model_names else engine.model_name
     return run_server(engine, config, metrics)

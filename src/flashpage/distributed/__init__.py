@@ -1,7 +1,12 @@
-"""Sequence-parallel (ring / zigzag) FlashAttention over ``torch.distributed`` and the network probe.
+"""Beyond one device over ``torch.distributed`` (NCCL on GPUs, gloo on CPU).
 
-``from flashpage.distributed import ring_flash_attn_func, zigzag_ring_flash_attn_func, zigzag_split,
-zigzag_merge`` (and the ``*_varlen_func`` variants with ``varlen_split`` / ``varlen_merge``).
+* Sequence-parallel attention: ``ring_flash_attn_func``, ``zigzag_ring_flash_attn_func``,
+  ``zigzag_split``, ``zigzag_merge`` (and the ``*_varlen_func`` variants with ``varlen_split`` /
+  ``varlen_merge``).
+* Tensor parallelism: ``LLM(..., tensor_parallel_size=N)`` uses :mod:`.tensor_parallel`
+  (``ColumnParallelLinear``, ``RowParallelLinear``, ``TensorParallel``, ``head_split``, ``shard_model_``).
+* ``flashpage netprobe``: :mod:`.netprobe`.
+
 Contract: DESIGN.md "Distributed". Imported lazily so ``import flashpage.distributed`` stays light.
 """
 
@@ -19,6 +24,11 @@ _EXPORTS = {
     "zigzag_merge": "flashpage.distributed.zigzag",
     "varlen_split": "flashpage.distributed.zigzag",
     "varlen_merge": "flashpage.distributed.zigzag",
+    "ColumnParallelLinear": "flashpage.distributed.tensor_parallel",
+    "RowParallelLinear": "flashpage.distributed.tensor_parallel",
+    "TensorParallel": "flashpage.distributed.tensor_parallel",
+    "head_split": "flashpage.distributed.tensor_parallel",
+    "shard_model_": "flashpage.distributed.tensor_parallel",
 }
 
 __all__ = list(_EXPORTS)

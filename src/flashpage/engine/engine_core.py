@@ -133,6 +133,10 @@ class EngineConfig:
         max_model_len: longest sequence (prompt + output); default the model's context, capped to
             what the KV cache holds; an explicit value the KV cache cannot hold is an error.
         model_config: config for ``load_format="dummy"`` or an override (ModelConfig or HF dict).
+        tensor_parallel_size: ranks the model's heads, MLP columns and vocabulary are split over (one GPU
+            each; processes on CPU). Rank 0 (this process) schedules and samples; without ``torchrun``
+            it spawns the other ranks. ``kv_cache_bytes`` is then per rank. See
+            :mod:`flashpage.distributed.tensor_parallel`.
     """
 
     model: Any = "smollm2-135m-instruct"
@@ -149,6 +153,7 @@ class EngineConfig:
     enforce_eager: bool = False
     max_model_len: int | None = None
     model_config: Any = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -159,6 +164,11 @@ class EngineConfig:
         _check_int("kv_cache_bytes", self.kv_cache_bytes, allow_none=True)
         _check_int("max_model_len", self.max_model_len, lo=2, allow_none=True)
         _check_int("seed", self.seed, lo=0)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1 and not isinstance(self.model, str):
+            raise ValueError(
+                "tensor_parallel_size: needs the model as a name or path (every rank loads it), not a loaded object"
+            )
         g = self.gpu_memory_utilization
         if isinstance(g, bool) or not isinstance(g, int | float) or not 0.0 < g <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")
@@ -169,6 +179,24 @@ class EngineConfig:
             raise ValueError(
                 f"load_format must be one of auto, safetensors, gguf, dummy, got {self.load_format!r}"
             )
+
+
+def runner_config(config: EngineConfig, device: torch.device) -> RunnerConfig:
+    """The model runner's options of an engine config on ``device`` (every tensor-parallel rank uses it)."""
+    return RunnerConfig(
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=default_batched_tokens(config, device),
+        max_model_len=config.max_model_len,
+        kv_cache_bytes=config.kv_cache_bytes,
+        gpu_memory_utilization=float(config.gpu_memory_utilization),
+        enforce_eager=config.enforce_eager,
+    )
+
+
+def default_batched_tokens(config: EngineConfig, device: torch.device) -> int:
+    """``max_num_batched_tokens``, or its default: 8192 on GPU, 2048 on CPU."""
+    return config.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048)
 
 
 def validate_messages(messages: Any) -> list[dict[str, str]]:
@@ -237,9 +265,19 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, loaded: Any = None) -> None:
         self.config = config
+        self.tp: Any = None  # rank 0's TensorParallelDriver when tensor_parallel_size > 1
         if loaded is None and not isinstance(config.model, str):
             loaded = config.model  # an object from load_model()
         self.device, self.dtype = _placement(config, loaded)
+        if config.tensor_parallel_size > 1:
+            from flashpage.distributed import tensor_parallel as tpar
+
+            if tpar.torchrun_rank() not in (None, 0):
+                # A torchrun rank other than 0 serves rank 0's steps, then exits with it.
+                tpar.serve_launched_worker(config, self.device, self.dtype)
+                raise SystemExit(0)
+            if self.device.type == "cuda":
+                self.device = tpar.rank_device(self.device, tpar.local_rank())
         if loaded is None:
             from flashpage.models.loader import load_model
 
@@ -263,24 +301,19 @@ class EngineCore:
         )
         if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = frozenset([int(self.tokenizer.eos_token_id)])
-        mnbt = config.max_num_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
+        mnbt = default_batched_tokens(config, self.device)
         self.sampler = Sampler(self.device, seed=config.seed)
-        self.runner = ModelRunner(
-            self.model,
-            self.model_config,
-            device=self.device,
-            dtype=self.dtype,
-            config=RunnerConfig(
-                block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=mnbt,
-                max_model_len=config.max_model_len,
-                kv_cache_bytes=config.kv_cache_bytes,
-                gpu_memory_utilization=float(config.gpu_memory_utilization),
-                enforce_eager=config.enforce_eager,
-            ),
-            sampler_probe=self._probe_sampler,
-        )
+        if config.tensor_parallel_size > 1:
+            self.runner = self._start_tensor_parallel()
+        else:
+            self.runner = ModelRunner(
+                self.model,
+                self.model_config,
+                device=self.device,
+                dtype=self.dtype,
+                config=runner_config(config, self.device),
+                sampler_probe=self._probe_sampler,
+            )
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
@@ -304,6 +337,21 @@ class EngineCore:
         self._next_seq_id = 0
         self._arrivals = 0
         self._stats = _Counters()
+
+    def _start_tensor_parallel(self) -> ModelRunner:
+        """Start the other ranks, shard this rank's model, build its runner and hook the step broadcast."""
+        from flashpage.distributed.tensor_parallel import start_tensor_parallel
+
+        self.tp = start_tensor_parallel(self.config, self.model_config, self.device, self.dtype)
+        try:
+            runner = self.tp.build_runner(
+                self.config, self.model, self.model_config, self.dtype, sampler_probe=self._probe_sampler
+            )
+        except BaseException:
+            self.tp.abort()
+            raise
+        runner.step_hook = self.tp.send_step
+        return runner
 
     # ------------------------------------------------------------------ requests
 
@@ -441,6 +489,8 @@ class EngineCore:
             raise ValueError(
                 f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
+        if self.tp is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not supported with tensor_parallel_size > 1")
         grammar = self.structured.compile(params.guided) if params.guided is not None else None
         now = time.perf_counter()
         with self._inbox_lock:
@@ -811,6 +861,8 @@ class EngineCore:
             ids = list(self._live_ids)
         self.abort_request(ids)
         self.runner.close()
+        if self.tp is not None:
+            self.tp.close()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

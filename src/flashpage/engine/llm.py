@@ -60,6 +60,9 @@ class LLM:
         max_model_len: longest sequence (prompt + output); default the model's context capped to what
             the KV cache holds; an explicit value the cache cannot hold is an error.
         model_config: config for ``load_format="dummy"`` (ModelConfig or HF config dict).
+        tensor_parallel_size: split the model over this many ranks (GPUs; processes on CPU), spawned by
+            the engine or launched by ``torchrun`` (see :mod:`flashpage.distributed.tensor_parallel`);
+            ``model`` must then be a name or path.
     Raises:
         ValueError: a bad option (naming it) or a model that cannot be loaded.
     """
@@ -80,6 +83,7 @@ class LLM:
         enforce_eager: bool = False,
         max_model_len: int | None = None,
         model_config: Any = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -96,6 +100,7 @@ class LLM:
             enforce_eager=enforce_eager,
             max_model_len=max_model_len,
             model_config=model_config,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = EngineCore(config)
         self._ids = itertools.count()
@@ -315,5 +320,5 @@ class LLM:
         self.engine.reset_stats()
 
     def close(self) -> None:
-        """Release the KV cache and CUDA graphs."""
+        """Release the KV cache and CUDA graphs, and stop the tensor-parallel ranks."""
         self.engine.close()

@@ -215,7 +215,16 @@ class ModelRunner:
         profile: hardware profile for the planner (``None``: detected).
         sampler_probe: called with ``(logits,)`` during GPU memory profiling so the sampler's peak is
             included (``None``: not profiled).
+        agree_num_blocks: maps this process's KV block count to the one every tensor-parallel rank uses
+            (their minimum; ``None``: a single process).
+
+    Attributes:
+        step_hook: called as ``step_hook(batch, copies, keep_hidden, block_size)`` at the start of every
+            step on rank 0 of a tensor-parallel group (it broadcasts the step to the other ranks, which
+            run :meth:`execute_batch`); ``None`` otherwise.
     """
+
+    step_hook: Callable[[StepBatch, Seq[tuple[int, int]], Seq[int], int], None] | None = None
 
     def __init__(
         self,
@@ -227,6 +236,7 @@ class ModelRunner:
         config: RunnerConfig,
         profile: Any = None,
         sampler_probe: Any = None,
+        agree_num_blocks: Callable[[int], int] | None = None,
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -253,6 +263,8 @@ class ModelRunner:
         spec_args = (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, dtype)
         kv_bytes = self._kv_cache_bytes(requested_len, sampler_probe)
         num_blocks = num_blocks_for_bytes(kv_bytes, *spec_args)
+        if agree_num_blocks is not None:
+            num_blocks = agree_num_blocks(num_blocks)
         if num_blocks < 2:
             raise ValueError(
                 f"kv_cache_bytes: {kv_bytes} bytes hold {num_blocks} KV blocks of "
@@ -417,9 +429,18 @@ class ModelRunner:
                 row ``j`` at position ``start + j``) are kept in :attr:`last_hidden` (prompt
                 logprobs); such a step runs eagerly.
         """
+        batch = build_step_batch(scheduled, self.block_size)
+        if self.step_hook is not None:
+            self.step_hook(batch, copies, keep_hidden, self.block_size)
+        return self.execute_batch(batch, copies, keep_hidden)
+
+    @torch.inference_mode()
+    def execute_batch(
+        self, batch: StepBatch, copies: Seq[tuple[int, int]] = (), keep_hidden: Seq[int] = ()
+    ) -> Tensor:
+        """:meth:`execute` of an already flattened step (the tensor-parallel workers' entry point)."""
         if copies:
             copy_blocks(self.kv_caches, copies)
-        batch = build_step_batch(scheduled, self.block_size)
         phase, choice = self._plan(batch)
         t0 = time.perf_counter()
         self.last_hidden = {}

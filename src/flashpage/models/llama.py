@@ -213,6 +213,7 @@ class LlamaAttention(nn.Module):
         )
         self.o_weight = _param(c.hidden_size, c.q_size, dtype=dtype, device=device)
         self.o_bias = _param(c.hidden_size, dtype=dtype, device=device) if c.attention_out_bias else None
+        self.tp: Any = None  # a flashpage.distributed.tensor_parallel.TensorParallel once sharded
 
     def forward(
         self,
@@ -241,6 +242,8 @@ class LlamaAttention(nn.Module):
             q, k, v, k_cache, v_cache, meta,
             softmax_scale=self.softmax_scale, window_size=self.window_size, softcap=self.softcap,
         )  # fmt: skip
+        if self.tp is not None:  # row-parallel: one all-reduce of the partial products
+            return self.tp.row_parallel_linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias)
         return F.linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias)
 
 
@@ -256,15 +259,19 @@ class LlamaMLP(nn.Module):
             2 * config.intermediate_size, config.hidden_size, dtype=dtype, device=device
         )
         self.down_weight = _param(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
+        self.tp: Any = None  # a flashpage.distributed.tensor_parallel.TensorParallel once sharded
 
     def forward(self, x: Tensor, fused: bool = False) -> Tensor:
         """``x (T, hidden)`` -> ``(T, hidden)``."""
         gate_up = F.linear(x, self.gate_up_weight)
         if fused and not self.gelu:
-            return F.linear(silu_and_mul(gate_up), self.down_weight)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return F.linear(act * up, self.down_weight)
+            act = silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
+        if self.tp is not None:  # row-parallel: one all-reduce of the partial products
+            return self.tp.row_parallel_linear(act, self.down_weight)
+        return F.linear(act, self.down_weight)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -375,6 +382,9 @@ class LlamaForCausalLM(nn.Module):
             float(torch.tensor(c.hidden_size**0.5, dtype=dtype)) if c.scale_embeddings else None
         )
         self.final_softcap = c.final_logit_softcapping
+        # Tensor parallelism (flashpage.distributed.tensor_parallel.shard_model_): this rank's shard of
+        # the heads, MLP columns and vocabulary, and its collectives; None when unsharded.
+        self.tp: Any = None
         self._set_rope_tables(c)
         if not empty:
             self.init_random_(0.02, seed)
@@ -451,9 +461,10 @@ class LlamaForCausalLM(nn.Module):
         meta.scratch.clear()
         c = self.config
         k0 = kv_caches[0][0]
-        if k0.dim() != 4 or k0.shape[2] != c.num_kv_heads or k0.shape[3] != c.head_dim:
+        kv_heads = self.layers[0].self_attn.num_kv_heads if len(self.layers) else c.num_kv_heads
+        if k0.dim() != 4 or k0.shape[2] != kv_heads or k0.shape[3] != c.head_dim:
             raise ValueError(
-                f"kv_caches: expected (num_blocks, block_size, {c.num_kv_heads}, {c.head_dim}), got {tuple(k0.shape)}"
+                f"kv_caches: expected (num_blocks, block_size, {kv_heads}, {c.head_dim}), got {tuple(k0.shape)}"
             )
         # Gathered and cast to the activation dtype once per step (as HF casts cos/sin), shared by all layers.
         cos, sin = self.rope_cos[positions].to(self.dtype), self.rope_sin[positions].to(self.dtype)
@@ -468,7 +479,10 @@ class LlamaForCausalLM(nn.Module):
         fused = self.fused_ops
         if fused is None:
             fused = input_ids.is_cuda and resolve_backend(input_ids.device) == "triton"
-        h = F.embedding(input_ids, self.embed_tokens)
+        if self.tp is not None:  # vocab-parallel: masked lookup + one all-reduce
+            h = self.tp.vocab_parallel_embedding(input_ids, self.embed_tokens, c.vocab_size)
+        else:
+            h = F.embedding(input_ids, self.embed_tokens)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         residual: Tensor | None = None
@@ -480,8 +494,14 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h, residual, fused=fused)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """``(N, hidden)`` -> ``(N, vocab)`` float32 logits (softcapped in float32 when the config says so)."""
-        logits = F.linear(hidden, self.lm_head_weight).float()
+        """``(N, hidden)`` -> ``(N, vocab)`` float32 logits (softcapped in float32 when the config says so).
+
+        Tensor-parallel: a collective; the full logits come back on rank 0, the other ranks get ``(0, vocab)``.
+        """
+        if self.tp is not None:
+            logits = self.tp.vocab_parallel_logits(hidden, self.lm_head_weight, self.config.vocab_size)
+        else:
+            logits = F.linear(hidden, self.lm_head_weight).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
