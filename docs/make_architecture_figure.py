@@ -39,7 +39,7 @@ LAYERS: list[list[tuple[str, str, float]]] = [
     [
         ("models", "Llama family,\nsafetensors / GGUF", -5.2),
         ("kv", "page layout,\nblock manager", -1.6),
-        ("distributed", "ring / zigzag attention,\nnetprobe", 2.2),
+        ("distributed", "ring / zigzag attention,\nnetprobe, tensor parallel", 2.2),
     ],
     [
         ("ops", "Triton kernels, flash-attn API,\nplan / run, dispatch", -3.4),
@@ -140,22 +140,35 @@ def main() -> int:
         bad = (a, b) in wrong
         span = rank[b] - rank[a]
         bend = 0.0 if span == 1 else (0.2 if xb >= xa else -0.2)
+        if span > 0:  # down: bottom edge -> top edge
+            start, end = (xa, ya - height / 2), (xb, yb + height / 2)
+        elif span < 0:  # up: top edge -> bottom edge
+            start, end = (xa + 0.3, ya + height / 2), (xb + 0.3, yb - height / 2)
+        else:  # same layer: side -> side, bowed below the row
+            side = width / 2 if xb > xa else -width / 2
+            start, end = (xa - side * 0.6, ya - height / 2), (xb + side * 0.6, yb - height / 2)
+            bend = -0.3 if xb < xa else 0.3
         ax.add_patch(
             FancyArrowPatch(
-                (xa, ya - height / 2),
-                (xb, yb + height / 2),
+                start,
+                end,
                 arrowstyle="-|>",
                 mutation_scale=11,
                 lw=2.0 if bad else (1.3 if span == 1 else 0.8),
                 color="red" if bad else ("#333333" if span == 1 else "#777777"),
                 alpha=0.9 if bad else (0.85 if span == 1 else 0.55),
                 connectionstyle=f"arc3,rad={bend}",
-                zorder=2,
+                zorder=5 if bad else 2,
             )
         )
+    verdict = (
+        "red: imports against the layer order, " + ", ".join(f"{a} -> {b}" for a, b in wrong)
+        if wrong
+        else "imports only point down"
+    )
     ax.set_title(
         "flashpage: packages and imports (arrow: importer -> imported)\n"
-        "read from src/flashpage by docs/make_architecture_figure.py; imports only point down",
+        f"read from src/flashpage by docs/make_architecture_figure.py; {verdict}",
         fontsize=10,
     )
     fig.tight_layout()
