@@ -14,7 +14,7 @@ The other suspect: with 16 query rows the 4 warps of a program split each tile's
 and the head dim for ``P V``, so every tile reduces the row maxima and sums across warps and passes
 ``P`` through shared memory (10 barriers per tile). ``_fp8_decode_wb`` gives each warp its own
 slice of the tile's tokens (a 3-D ``tl.dot`` whose batch is the warp) with its own softmax state,
-merged once after the loop; the library's ``PagedAttnConfig.warp_slices`` is the same idea.
+merged once after the loop; the library's former ``warp_slices`` option (since removed) was the same idea.
 
 Kernels (``_fp8_decode``, ``_fp8_decode_wb``): one program per (KV head, split, sequence), the GQA
 group's 4 query heads padded to 16 rows, 128-token tiles gathered from the block table, K and V
@@ -32,7 +32,7 @@ Offline sm_90 SASS (triton 3.9, the mask-free loop per thread per 128-token tile
 | probe vt | 113 | 611 | 0 | 121 | 10 |
 | probe wbstd | 168 | 702 | 128 | 1 | 4 |
 | probe wbvt | 176 | 488 | 0 | 0 | 4 |
-| library ``warp_slices`` | 176 | 718 | 128 | 3 | 4 |
+| library ``warp_slices`` (removed) | 176 | 718 | 128 | 3 | 4 |
 
 | probe pair | 116 | 604 | 0 | 69 | 10 |
 | probe wbpair | 180 | 538 | 0 | 0 | 4 |
@@ -52,9 +52,9 @@ Rows per shape (GQA 32/8, d=128, block size 16, random page order), timed in rou
 SDPA cuDNN on a contiguous bf16 cache; the library's bf16 default and fp8 decode at the planner's
 split counts (with their combine) in the configurations of ``LIB_VARIANTS``: byte-wise (``bytes``,
 the default before 2026-12-07), V as byte pairs under a 128-register cap (``vpr128``, the default
-of 2026-12-07), K and V as byte pairs (``k_pairs``) with and without ``share_kv_offsets``, uncapped and
-under a 128- or 96-register cap, and bf16 with ``share_kv_offsets`` (``BF16_VARIANTS``)
-(four or five programs per SM); the probe kernels of ``PROBE_VARIANTS`` (the other modes above were
+of 2026-12-07) and its 96-register and tile variants, and bf16 under a 128-register cap
+(``BF16_VARIANTS``; four or five programs per SM; K as byte pairs and shared K/V offsets were timed
+here too on 2026-12-07, and removed from the library since); the probe kernels of ``PROBE_VARIANTS`` (the other modes above were
 timed on an H100 on 2026-12-07 and are dropped from the default list) at the fp8 planner's split
 count. ``ratio_bf16`` is the library bf16 row's time over the row's time (sequences x tokens / s).
 
@@ -109,31 +109,26 @@ from torch import Tensor
 
 from flashpage.ops.cache_write import fp8_kv_scales
 from flashpage.ops.launch_cache import KERNEL_OPTIONS
-from flashpage.ops.paged_decode import _split_pairs, default_decode_config
+from flashpage.ops.paged_kernel import split_pairs
+from flashpage.ops.paged_launch import default_decode_config
 from flashpage.ops.paged_plan import plan_decode, run_decode
 
 BLOCK_N = 128
 # Library configurations timed beside the defaults (fields replaced in default_decode_config).
-_VPR128: dict[str, Any] = {"v_pairs": True, "k_pairs": False, "share_kv_offsets": False, "maxnreg": 128}
+_VPR128: dict[str, Any] = {"v_pairs": True, "maxnreg": 128}
 LIB_VARIANTS: dict[str, dict[str, Any]] = {
-    "bytes": {"v_pairs": False, "k_pairs": False, "share_kv_offsets": False, "maxnreg": 0},
+    "bytes": {"v_pairs": False, "maxnreg": 0},
     "vpr128": _VPR128,
-    "kvpr128": {"v_pairs": True, "k_pairs": True, "share_kv_offsets": False, "maxnreg": 128},
-    "kvpso": {"v_pairs": True, "k_pairs": True, "share_kv_offsets": True, "maxnreg": 0},
-    "kvpsor128": {"v_pairs": True, "k_pairs": True, "share_kv_offsets": True, "maxnreg": 128},
-    "kvpsor96": {"v_pairs": True, "k_pairs": True, "share_kv_offsets": True, "maxnreg": 96},
+    "vpr96": {"v_pairs": True, "maxnreg": 96},
     # the default's pairs and cap with 64-token tiles, and / or 5 stages (two tiles in flight)
     "vpr128n64": {**_VPR128, "block_n": 64},
     "vpr128n64s5": {**_VPR128, "block_n": 64, "num_stages": 5},
     "vpr128s5": {**_VPR128, "num_stages": 5},
     # the next tile's block ids loaded one iteration ahead
     "vpr128pt": {**_VPR128, "prefetch_table": True},
-    # the splits merged by the last-arriving split program instead of the dependent combine launch
-    # (merge_chunk splits per step since 2026-12-07, afternoon)
-    "vpr128fc": {**_VPR128, "fused_combine": True},
 }
 # bf16 configurations timed beside the bf16 default.
-BF16_VARIANTS: dict[str, dict[str, Any]] = {"so": {"share_kv_offsets": True}}
+BF16_VARIANTS: dict[str, dict[str, Any]] = {"r128": {"maxnreg": 128}}
 # (V layout, warps, stages, maxnreg) of the probe kernel's rows.
 PROBE_VARIANTS = (("pair", 4, 2, 0),)
 
@@ -193,7 +188,7 @@ def _fp8_tile(s, q, acc, acc_e, acc_o, l_i, m_i, K, V, VT, bt, kvh, qk_scale,
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     if V_MODE == 2:
-        ve, vo = _split_pairs(v, ASM)
+        ve, vo = split_pairs(v, ASM)
         pf = p.to(tl.float16)
         acc_e = acc_e * alpha[:, None] + tl.dot(pf, ve)
         acc_o = acc_o * alpha[:, None] + tl.dot(pf, vo)
@@ -331,7 +326,7 @@ def _fp8_decode_wb(Q, K, V, VT, MidO, MidLse, BT, qk_scale, v_scale, ctx, num_sp
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 2)
         if V_MODE == 2:
-            ve, vo = _split_pairs(v, ASM)
+            ve, vo = split_pairs(v, ASM)
             pf = p.to(tl.float16)
             acc_e = acc_e * alpha[:, :, None] + tl.dot(pf, ve)
             acc_o = acc_o * alpha[:, :, None] + tl.dot(pf, vo)

@@ -8,33 +8,8 @@ cache, and an empty Triton kernel launched through ``JITFunction[grid]`` and thr
 ``CompiledKernel[grid]`` (what :class:`~flashpage.ops.launch_cache.LaunchCache` uses), i.e. the
 floor Triton sets. Then a ``cProfile`` of ``run_decode`` by own time.
 
-Measured (H100 machine's host, torch 2.11, triton 3.6, 2026-12-06, cde4d47 plus the wide-tile
-planner; us per call at ctx 256 / 4096, where 4096 takes 16 splits and a combine launch):
-``run_decode`` 45.7 / 95.4 (76.4 allocating its output), ``paged_decode(validate=False)`` 73.8 /
-114.2, ``flash_attn_with_kvcache(validate=False)`` 82.6 / 123.2, with its default value checks (a
-device sync) 272.8 / 308.8; SDPA 15.2 / 22.3; an empty Triton kernel 15.1 through
-``JITFunction[grid]``, 10.5 through ``CompiledKernel[grid]``. Profile of ``run_decode`` at ctx 256
-(own time, inflated by cProfile): ``launch_paged_attention`` 13 us, ``aligned`` 13.5, Triton's
-runner and launcher ~23, ``paged_tiles`` 10, the launch key's ``int_spec`` 6, ``_max_offset`` 3.5.
-
-The same probe on other machines' hosts (2026-12-06, evening; us per call at ctx 256 / 4096):
-H200 machine (a6ca8bf): ``run_decode`` 66.0 / 104.4, ``flash_attn_with_kvcache(validate=False)``
-124.8 / 194.7, with its value checks 420.9 / 316.4, SDPA 24.5 / 22.3, an empty Triton kernel 16.9 /
-12.1 (``JITFunction`` / ``CompiledKernel``); an H100 machine (0c27be0): 56.4 / 72.7, 83.2 / 122.2,
-314.9 / 476.3, 20.8 / 23.9, 15.4 / 11.0. Host time varies between machines of one kind by up to 2x:
-compare rows of one run only.
-
-With bound launches (e6b7278, 2026-12-07 night, an H100 machine's host, triton 3.6; us per call at
-ctx 256 / 4096): ``run_decode`` 38.5 / 39.6 (new output 46.2 / 47.8) against 62.6 / 94.3 for the
-same launch through ``launch_paged_attention`` (what every ``run_decode`` call did before);
-``paged_decode(validate=False)`` 128.4 / 193.0, ``flash_attn_with_kvcache(validate=False)`` 137.2 /
-204.2, SDPA 18.0 / 31.0, an empty Triton kernel 12.7 / 9.7 (``JITFunction`` / ``CompiledKernel``).
-The bound call's profile is now Triton's launcher (``runner``, the driver's ``__call__``, the C
-launch: about two thirds of it, for two kernels at ctx 4096) plus ``run_decode``'s own key.
-
-Since 7402c1f ``paged_decode`` and ``flash_attn_with_kvcache`` relaunch bound launches too
-(``EAGER_LAUNCHES``); the ``(unbound)`` row clears that memo before each call, i.e. times what every
-call did before. Not yet run on a GPU host.
+The rows ``(unbound)`` take the full launch path on every call (what a call on a new tensor layout
+pays); the others relaunch a bound launch. Measured figures: ``docs/perf-notes.md``.
 
 Run: ``PYTHONPATH=src python benchmarks/probes/decode_host.py [out.json]`` on a GPU machine;
 ``DEV=cpu TRITON_INTERPRET=1 ... --tiny`` checks the script on a CPU.
@@ -57,7 +32,8 @@ import triton
 import triton.language as tl
 
 from flashpage import flash_attn_with_kvcache
-from flashpage.ops.paged_decode import EAGER_LAUNCHES, launch_paged_attention, paged_decode
+from flashpage.ops.paged_decode import paged_decode
+from flashpage.ops.paged_launch import PagedProblem, eager_launcher
 from flashpage.ops.paged_plan import plan_decode, run_decode
 
 
@@ -105,27 +81,20 @@ def ctx_rows(ctx: int, n: int, dev: torch.device, tiny: bool) -> list[dict[str, 
     cases: dict[str, Callable[[], Any]] = {
         "run_decode": lambda: run_decode(plan, q, kc, vc, bt, seqlens, out=out),
         "run_decode (new out)": lambda: run_decode(plan, q, kc, vc, bt, seqlens),
-        # What run_decode did per call before it bound its launches (and still does on a new layout).
-        "launch_paged_attention (unbound)": lambda: launch_paged_attention(
-            q,
-            kc,
-            vc,
-            out,
-            seqlens,
-            max_seqlen_q=1,
-            block_table=bt,
-            softmax_scale=plan.softmax_scale,
-            num_splits=plan.num_splits,
-            config=plan.config,
-            workspace=plan.workspace,
+        # What run_decode pays on a new tensor layout: the full launch path (binding included).
+        "PagedLauncher.bind (unbound)": lambda: eager_launcher().bind(
+            PagedProblem(q, kc, vc, out, seqlens, 1, plan.softmax_scale, block_table=bt),
+            plan.config,
+            plan.num_splits,
+            plan.workspace,
         ),
         "paged_decode validate=False": lambda: paged_decode(q, kc, vc, bt, seqlens, validate=False),
         "flash_attn_with_kvcache validate=False": lambda: flash_attn_with_kvcache(
             q4, kc, vc, cache_seqlens=seqlens, block_table=bt, validate=False
         ),
-        # What every eager call did before the entry points bound their launches (EAGER_LAUNCHES).
+        # An eager call that finds no bound launch (the eager launcher emptied first).
         "flash_attn_with_kvcache validate=False (unbound)": lambda: (
-            EAGER_LAUNCHES.clear(),
+            eager_launcher().clear(),
             flash_attn_with_kvcache(q4, kc, vc, cache_seqlens=seqlens, block_table=bt, validate=False),
         ),
         "flash_attn_with_kvcache": lambda: flash_attn_with_kvcache(

@@ -34,7 +34,7 @@ counts measured there, 112 (88 with split-KV partials, 120 with 64-bit offsets),
   that loop); without the cap 621 (3.9) / 634 (3.6) instructions and 177 / 168 registers. On the
   H100 it reads 1.07-1.10x the byte path's speed (``decode_fp8_bound.py``).
 
-- Fused split combine (``--split fused_combine=True``, 2026-12-07): the last arriver's merge used
+- Fused split combine (an option since removed from the library; git history keeps it, 2026-12-07): the last arriver's merge used
   to load one split per iteration (fp8 default: 102-105 instructions, four ``LDG.128``, one L2 round
   trip per split: 64 at b1/128k). It now takes ``merge_chunk`` splits per step (4 for 16-row tiles
   at d=128), unrolled: ptxas hoists the step's 16 ``LDG.128`` above its math; 324 instructions per
@@ -81,9 +81,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from flashpage.ops.launch_cache import KERNEL_OPTIONS
-from flashpage.ops.paged_decode import (
+from flashpage.ops.paged_kernel import paged_attn_kernel
+from flashpage.ops.paged_launch import (
     PagedAttnConfig,
-    _paged_attn_kernel,
     default_decode_config,
     kv_heads_per_program,
     kv_read_views,
@@ -109,29 +109,26 @@ def compile_sm90(
     config: PagedAttnConfig, kv: str = "bf16", group: int = 4, nheads_k: int = 8, head_dim: int = 128,
     split: bool = False, q_len: int = 1,
 ) -> Any:  # fmt: skip
-    """The ``CompiledKernel`` of one decode launch of ``_paged_attn_kernel`` for sm_90 (``q_len`` > 1:
+    """The ``CompiledKernel`` of one decode launch of ``paged_attn_kernel`` for sm_90 (``q_len`` > 1:
     a chunked-prefill launch, queries packed by ``cu_seqlens_q`` as :func:`paged_prefill` passes them)."""
     config = resolved(config, kv, group, nheads_k, q_len)
     tiles = paged_tiles(config, q_len, group * nheads_k, nheads_k, _KV_DTYPES[kv])
     q = "fp16" if kv == "fp8" else kv
     # The launcher's views and flags for caches of this launch's shape (contiguous, offset 0).
     cache = torch.empty(1, 16, nheads_k, head_dim, dtype=_KV_DTYPES[kv], device="meta")
-    _, _, k_pairs, v_pairs, share_offsets = kv_read_views(
-        config, tiles, cache, cache, head_dim, use_tma=False
-    )
+    _, v_pairs = kv_read_views(config, tiles, cache, head_dim, use_tma=False)
     consts = paged_kernel_constexprs(
         config, tiles, group=group, head_dim=head_dim, page_size=16, fp8=kv == "fp8", split=split,
-        fp32_dot=False, fused=split and config.fused_combine, wide=not config.narrow_offsets,
-        heads_first=config.heads_first, varlen_q=q_len > 1, v_pairs=v_pairs, k_pairs=k_pairs,
-        share_offsets=share_offsets,
+        fp32_dot=False, wide=not config.narrow_offsets, heads_first=config.heads_first, varlen_q=q_len > 1,
+        v_pairs=v_pairs,
     )  # fmt: skip
-    pointers = {"Q": f"*{q}", "Out": f"*{q}", "K": "*i16" if k_pairs else _PTR_TYPES[kv],
+    pointers = {"Q": f"*{q}", "Out": f"*{q}", "K": _PTR_TYPES[kv],
                 "V": "*i16" if v_pairs else _PTR_TYPES[kv],
                 "desc_k": _PTR_TYPES[kv],
                 "desc_v": _PTR_TYPES[kv]}  # fmt: skip
-    i32_ptrs = {"Arrivals", "BlockTable", "SeqlensK", "CuSeqlensQ", "BatchIdx", "KvStart"}
+    i32_ptrs = {"BlockTable", "SeqlensK", "CuSeqlensQ", "BatchIdx", "KvStart"}
     fp32_ptrs = {"Lse", "MidO", "MidLse", "Alibi", "KScale", "VScale"}
-    names = _paged_attn_kernel.arg_names
+    names = paged_attn_kernel.arg_names
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
     for i, name in enumerate(names):
@@ -152,7 +149,7 @@ def compile_sm90(
             raise RuntimeError(f"decode_sass does not know the type of the kernel's argument {name!r}")
         if signature[name].startswith("*") or name.startswith("stride"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(_paged_attn_kernel, signature, constexprs=consts, attrs=attrs)
+    src = ASTSource(paged_attn_kernel, signature, constexprs=consts, attrs=attrs)
     options: dict[str, Any] = {
         "num_warps": config.num_warps,
         "num_stages": config.num_stages,

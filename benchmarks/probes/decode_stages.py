@@ -88,7 +88,6 @@ VARIANTS: dict[str, dict[str, int]] = {
     "n128h4sf": {"block_n": 128, "heads_per_program": 4, "heads_first": False},
     # The split combine fused into the attention kernel (the last split program merges), and
     # cuDNN's own tiling: one KV head, 128 tokens per tile, no split where the grid fills a wave.
-    "fc": {"fused_combine": True},
     "n128h1": {"block_n": 128, "heads_per_program": 1, "wide_block_n": 0},
 }
 PLANNER_SPLITS = ("fc",)  # variants timed at the planner's count on every shape

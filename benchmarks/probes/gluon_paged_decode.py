@@ -243,8 +243,10 @@ def main() -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from flashpage.bench.common import do_bench_ms, round_robin
-    from flashpage.ops.paged_decode import paged_decode, resolve_num_splits
-    from flashpage.ops.paged_plan import plan_decode, run_decode
+    from flashpage.ops.paged_decode import paged_decode
+    from flashpage.ops.paged_launch import PagedAttnConfig
+    from flashpage.ops.paged_plan import choose_launch, plan_decode, run_decode
+    from flashpage.ops.utils import default_num_sms
 
     torch.manual_seed(0)
     bs, h, hk, d = 16, 32, 8, 128
@@ -286,7 +288,9 @@ def main() -> None:
                 plan, q, kc, vc, bt, sl
             ),
         }
-        ns = resolve_num_splits(0, b, hk, ctx, 64, q.device)
+        ns = choose_launch(
+            PagedAttnConfig(), 0, b, 1, hk, hk, torch.bfloat16, ctx, default_num_sms(q.device)
+        ).num_splits
         for ppt, st in ((4, 3), (2, 6), (2, 3)):
             fns[f"gluon {ppt}x{st}"] = lambda ppt=ppt, st=st, q=q, kc=kc, vc=vc, bt=bt, sl=sl, ns=ns: (
                 gluon_paged_decode(q, kc, vc, bt, sl, ns, ppt, st, merge=False)

@@ -1,4 +1,5 @@
-"""The ``flashpage`` command: ``roofline``, ``probe``, ``demo``, ``bench`` (each with ``--help``).
+"""The ``flashpage`` command: ``roofline``, ``probe``, ``demo``, ``serve``, ``bench``, ``netprobe`` (each with
+``--help``).
 
 Every subcommand imports its machinery inside its handler, so ``flashpage --help`` stays fast.
 
@@ -11,6 +12,10 @@ Every subcommand imports its machinery inside its handler, so ``flashpage --help
   ``--hardware FILE`` and ``load_profile`` accept (stdout without ``--out``).
 - ``flashpage demo [ARGS...]``: the inference demo ``flashpage.engine.demo.main(ARGS)`` on the
   embedded model (``--help`` lists its options).
+- ``flashpage serve [--model NAME|DIR|FILE.gguf] [--host H] [--port P] [--api-key KEY]
+  [--tensor-parallel-size N] [engine options...]``: the OpenAI-compatible HTTP server
+  (:mod:`flashpage.serve.api_server`: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
+  ``/health``, ``/metrics``, ``/stats``, a live page at ``/``); SIGTERM drains running requests.
 - ``flashpage bench NAME [--out DIR] [--quick] [ARGS...]``: runs the benchmark ``NAME`` of
   ``flashpage.bench.all.REGISTRY`` (attention, decode, throughput, serve) with the remaining arguments.
 - ``flashpage bench all [--quick] [--out DIR] [--only A,B]``: ``probe``, then every benchmark this

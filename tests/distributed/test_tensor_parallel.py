@@ -28,7 +28,6 @@ from flashpage.distributed.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallel,
-    _free_port,
     head_split,
     local_config,
     shard_model_,
@@ -38,6 +37,7 @@ from flashpage.engine.llm import LLM
 from flashpage.engine.sampling_params import SamplingParams
 from flashpage.models.config import ModelConfig
 from flashpage.models.llama import LlamaForCausalLM
+from tests.distributed.spawn import free_port
 from tests.models.test_llama import make_caches, step_meta
 
 TIMEOUT_S = 120.0
@@ -61,7 +61,7 @@ def _rank_entry(rank: int, world: int, port: int, body: Callable[[TensorParallel
 def run_ranks(body: Callable[[TensorParallel], None], world: int = 2) -> None:
     """Run ``body(tp)`` on ``world`` spawned gloo ranks; a rank's exception fails the test (bounded)."""
     ctx = torch.multiprocessing.start_processes(
-        _rank_entry, args=(world, _free_port(), body), nprocs=world, join=False, start_method="spawn"
+        _rank_entry, args=(world, free_port(), body), nprocs=world, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + TIMEOUT_S
     while not ctx.join(timeout=1.0):

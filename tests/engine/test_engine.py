@@ -274,6 +274,33 @@ def test_decode_graph_buffers_padding_and_buckets(
     assert dec["graph_steps"] == dec["steps"] > 0
 
 
+def test_decode_plan_is_the_planners_launch(tiny_loaded: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's decode plan is the library planner's (what ``bench decode``'s planner rows time:
+    ``plan_decode`` with ``num_splits=0``), reused by the next steps of the same batch and launch; the CUDA-graph
+    buckets hold a graph key for each launch the planner can pick, and the stats record the launched
+    split count."""
+    from flashpage.ops.paged_plan import plan_decode
+
+    monkeypatch.setenv("FLASHPAGE_BACKEND", "triton")
+    llm = LLM(model=tiny_loaded, kv_cache_bytes=100 * BLOCK8, max_num_seqs=6)
+    runner = llm.engine.runner
+    c = tiny_loaded.config
+    for batch, ctx in ((1, 300), (3, 64), (6, 500)):
+        ctx = min(ctx, runner.max_model_len)
+        plan = runner._decode_plan(batch, ctx)
+        want = plan_decode(
+            batch, c.num_heads, c.num_kv_heads, c.head_dim, block_size=runner.block_size, max_seqlen_k=ctx,
+            q_dtype=runner.dtype, device=runner.device,
+        )  # fmt: skip
+        assert (plan.num_splits, plan.config, plan.grid) == (want.num_splits, want.config, want.grid)
+        key = runner._launch_key(runner._decode_choice(batch, ctx))
+        assert key == (plan.config.heads_per_program, plan.num_splits)
+        bucket = next(b for b in (1, 2, 4, 6) if b >= batch)
+        prev = {1: 0, 2: 1, 4: 2, 6: 4}[bucket]
+        assert key in runner._possible_launches(bucket, prev)
+        assert runner._decode_plan(batch, ctx) is plan  # the next step of this launch reuses the plan
+
+
 def test_add_and_abort_from_another_thread_while_stepping(
     tiny_loaded: Any, reference: list[list[int]]
 ) -> None:

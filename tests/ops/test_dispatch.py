@@ -115,31 +115,40 @@ def test_skipped_slots_and_strided_inputs(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_decode_layers_of_one_step_share_a_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode step plans once (on ``meta.scratch``): the next layer's call relaunches the launch
-    the first layer bound, on its own cache, and matches the reference; a cleared scratch (the next
-    forward) plans anew."""
-    from flashpage.ops import paged_decode, paged_plan
+    """A decode step plans once (``meta.decode_plan``, set by the first layer when the engine gave
+    none): the next layer's call relaunches the launch the first layer bound, on its own cache, and
+    matches the reference; a forward's reset keeps the plan (it depends on shapes only), a plan given
+    with the metadata is used as is, and the torch path's indices are rebuilt per forward."""
+    from flashpage.ops import paged_plan
+    from flashpage.ops.paged_launch import PagedLauncher
 
     monkeypatch.setenv("FLASHPAGE_BACKEND", "triton")
     q, k, v, kc, vc, meta = _build_step([(30, 1), (0, 1), (64, 1)], 16, None, num_splits=2)
+    assert meta.decode_plan is None
     layers = [(kc, vc), (torch.randn_like(kc), torch.randn_like(vc))]
     outs = []
     for i, (kc_l, vc_l) in enumerate(layers):
         with monkeypatch.context() as m:
             if i:
-                m.setattr(paged_decode, "launch_paged_attention", _unbound)
+                m.setattr(PagedLauncher, "bind", _unbound)
             outs.append(attention(q, k, v, kc_l, vc_l, meta, D**-0.5))
-    plans = [x for x in meta.scratch.values() if isinstance(x, paged_plan.DecodePlan)]
-    assert len(plans) == 1 and len(plans[0].launches) == 1
+    plan = meta.decode_plan
+    assert isinstance(plan, paged_plan.DecodePlan) and plan.num_splits == 2 and plan.bound.launch is not None
     for out, (kc_l, vc_l) in zip(outs, layers, strict=True):
         assert_close_to_ref(
             out, _reference(q, kc_l, vc_l, meta, True), _reference(q, kc_l, vc_l, meta, False)
         )
-    meta.scratch.clear()
-    attention(q, k, v, *layers[0], meta, D**-0.5)
-    (again,) = [x for x in meta.scratch.values() if isinstance(x, paged_plan.DecodePlan)]
-    assert again is not plans[0]
+    meta.begin_forward()
+    assert meta.decode_plan is plan and meta.torch_indices is None
+    given = paged_plan.plan_decode(
+        3, q.shape[1], kc.shape[2], D, block_size=16, max_seqlen_k=meta.max_seqlen_k, q_dtype=q.dtype,
+        device=q.device, num_splits=3,
+    )  # fmt: skip
+    meta.decode_plan = given
+    out = attention(q, k, v, *layers[0], meta, D**-0.5)
+    assert meta.decode_plan is given and given.bound.launch is not None
+    assert_close_to_ref(out, _reference(q, *layers[0], meta, True), _reference(q, *layers[0], meta, False))
 
 
 def _unbound(*args: object, **kwargs: object) -> None:
-    raise AssertionError("a later layer went through launch_paged_attention")
+    raise AssertionError("a later layer went through PagedLauncher.bind")

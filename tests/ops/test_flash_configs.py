@@ -14,8 +14,8 @@ from flashpage.ops.flash_configs import (
     bwd_candidates,
     fwd_candidates,
     table_lookup,
-    triton_version,
 )
+from flashpage.ops.utils import triton_version
 
 
 @pytest.mark.parametrize("table", [HOPPER_FWD, HOPPER_BWD])
@@ -62,7 +62,7 @@ def test_candidates_are_valid_distinct_configs(d: int) -> None:
 
 def test_pdl_needs_sm90_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """Programmatic dependent launch (griddepcontrol) only on CUDA sm_90+, never the interpreter."""
-    import flashpage.ops.flash_configs as fc
+    import flashpage.ops.utils as fc
 
     assert not fc.pdl_supported(torch.device("cpu"))
     for major, expected in ((8, False), (9, True), (10, True)):
@@ -73,7 +73,7 @@ def test_pdl_needs_sm90_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_ws_needs_sm90_cuda_and_gluon(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Gluon warp-specialized forward runs on CUDA sm_90 only (not sm_80, not Blackwell's
     tcgen05 parts, never the interpreter), and only with Gluon's Hopper ops in triton."""
-    import flashpage.ops.flash_configs as fc
+    import flashpage.ops.utils as fc
 
     assert not fc.ws_supported(torch.device("cpu"))
     monkeypatch.setattr(fc, "interpreter_enabled", lambda: False)

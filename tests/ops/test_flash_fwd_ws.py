@@ -15,9 +15,10 @@ import re
 import pytest
 import torch
 
-from flashpage.ops.flash_configs import FwdConfig, ws_supported
+from flashpage.ops.flash_configs import FwdConfig
 from flashpage.ops.flash_fwd import check_attention_inputs, flash_fwd, plan_tail_split, ws_applies
 from flashpage.ops.reference import attention_ref
+from flashpage.ops.utils import ws_supported
 from tests.sm90_ptx import sm90_ptx
 from tests.tolerance import assert_close_to_ref
 

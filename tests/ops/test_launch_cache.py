@@ -21,21 +21,14 @@ from torch import Tensor
 
 from flashpage.ops import flash_bwd as fb
 from flashpage.ops import flash_fwd as ff
-from flashpage.ops import kvcache
-from flashpage.ops import paged_decode as pd
+from flashpage.ops import paged_launch as pl
 from flashpage.ops.flash_configs import BwdConfig
 from flashpage.ops.kvcache import flash_attn_with_kvcache
-from flashpage.ops.launch_cache import (
-    LaunchCache,
-    aligned,
-    cdiv,
-    int_spec,
-    int_specs,
-    next_pow2,
-    programs_per_sm,
-)
+from flashpage.ops.launch_cache import LaunchCache, aligned, int_spec, int_specs, kernel_launches
+from flashpage.ops.paged_kernel import combine_kernel, paged_attn_kernel
 from flashpage.ops.paged_plan import DecodePlan, plan_decode, run_decode
 from flashpage.ops.reference import attention_ref, varlen_attention_ref
+from flashpage.ops.utils import cdiv, next_pow2, programs_per_sm
 from tests.tolerance import assert_close_to_ref
 
 
@@ -86,14 +79,14 @@ class _FakeJit:
 def _fresh_caches(
     monkeypatch: pytest.MonkeyPatch, device: str, module: Any, kernels: dict[str, Any]
 ) -> dict[str, _FakeJit]:
-    """Replace ``module``'s LaunchCaches (attribute name -> kernel) with empty ones; on CPU they
-    launch through the stand-in, returned by attribute name (on CUDA: the real kernels, ``{}``)."""
+    """Give each kernel (label -> kernel) an empty LaunchCache (``kernel_launches``); on CPU they
+    launch through the stand-in, returned by label (on CUDA: the real kernels, ``{}``)."""
     fakes = {}
     for name, kernel in kernels.items():
         fn = kernel if device == "cuda" else _FakeJit(kernel)
         if device != "cuda":
             fakes[name] = fn
-        monkeypatch.setattr(module, name, LaunchCache(fn))
+        monkeypatch.setattr(kernel, "_flashpage_launches", LaunchCache(fn), raising=False)
     return fakes
 
 
@@ -144,7 +137,7 @@ def test_padded_calls_replay_and_match(replay_cache: _FakeJit | None) -> None:
         torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=0)
         if replay_cache is not None:
             assert replay_cache.launches == 1 and replay_cache.replays == i
-    assert len(ff._FWD_LAUNCHES) == 1
+    assert len(kernel_launches(ff._attn_fwd_kernel)) == 1
 
 
 def test_dropout_seed_replays_bit_identically(replay_cache: _FakeJit | None) -> None:
@@ -208,10 +201,10 @@ def test_new_metadata_makes_a_new_plan(replay_cache: _FakeJit | None) -> None:
     ref = attention_ref(qc, k, v, window_size=(3, 2))[0]
     assert_close_to_ref(out, ref, ref)
     if replay_cache is not None:
-        assert len(ff._FWD_LAUNCHES) == 3
+        assert len(kernel_launches(ff._attn_fwd_kernel)) == 3
         assert replay_cache.launches == 3 and replay_cache.replays == 1
     else:  # CUDA: the tail-split decision also compiles (and keeps) a tail variant per launch key
-        assert len(ff._FWD_LAUNCHES) >= 3
+        assert len(kernel_launches(ff._attn_fwd_kernel)) >= 3
 
 
 _BWD_CACHES = {
@@ -261,11 +254,11 @@ def test_backward_replays_bit_identically(
         )
         vk = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": max(lens), "max_seqlen_k": max(lens)}
         replayed = grads(qv, kv, vv, dov, **vk)
-        saved = {name: getattr(fb, name) for name in _BWD_CACHES}
+        saved = {name: kernel_launches(kernel) for name, kernel in _BWD_CACHES.items()}
         _fresh_caches(monkeypatch, device, fb, _BWD_CACHES)
         fresh = grads(qv, kv, vv, dov, **vk)
         for name, cache in saved.items():
-            monkeypatch.setattr(fb, name, cache)
+            monkeypatch.setattr(_BWD_CACHES[name], "_flashpage_launches", cache)
         for a, b in zip(fresh, replayed, strict=True):
             assert torch.equal(a, b)
     if fakes:
@@ -276,7 +269,20 @@ def test_backward_replays_bit_identically(
         assert "_PRE_LAUNCHES" in used and ("_DQ_LAUNCHES" in used) == (cfg.dq_mode == "separate")
 
 
-_PAGED_CACHES = {"_PAGED_LAUNCHES": pd._paged_attn_kernel, "_COMBINE_LAUNCHES": pd._combine_kernel}
+def _fresh_launcher(
+    monkeypatch: pytest.MonkeyPatch, device: str
+) -> tuple[pl.PagedLauncher, dict[str, _FakeJit]]:
+    """A new eager :class:`~flashpage.ops.paged_launch.PagedLauncher` in place of the shared one; on
+    CPU its kernels launch through the stand-in (returned by attribute name; on CUDA ``{}``)."""
+    launcher = pl.PagedLauncher()
+    fakes = {}
+    for attr, kernel in (("_main", paged_attn_kernel), ("_combine", combine_kernel)):
+        fn = kernel if device == "cuda" else _FakeJit(kernel)
+        if device != "cuda":
+            fakes[attr] = fn
+        setattr(launcher, attr, LaunchCache(fn))
+    monkeypatch.setattr(paged_attn_kernel, "_flashpage_eager", launcher, raising=False)
+    return launcher, fakes
 
 
 @pytest.mark.parametrize(
@@ -301,10 +307,7 @@ def test_paged_attention_replays_bit_identically(
         return out  # type: ignore[return-value]
 
     def fresh() -> dict[str, _FakeJit]:
-        memo = pd.PagedLaunches()
-        monkeypatch.setattr(pd, "EAGER_LAUNCHES", memo)
-        monkeypatch.setattr(kvcache, "EAGER_LAUNCHES", memo)
-        return _fresh_caches(monkeypatch, device, pd, _PAGED_CACHES)
+        return _fresh_launcher(monkeypatch, device)[1]
 
     fakes = fresh()
     calls = [([40, 77, 128], None), ([9, 100, 33], None), ([40, 77, 128], slopes), ([120, 5, 64], slopes)]
@@ -317,13 +320,13 @@ def test_paged_attention_replays_bit_identically(
         want = run(q, lens, a)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), lens
     if fakes:
-        assert fakes["_PAGED_LAUNCHES"].replays >= 3
-        assert (fakes["_COMBINE_LAUNCHES"].replays >= 3) == (splits > 1)
-    other = slopes.contiguous()  # same values, batch stride h: must not replay the strided plan
-    fakes = fresh()
+        assert fakes["_main"].replays >= 3
+        assert (fakes["_combine"].replays >= 3) == (splits > 1)
+    other = slopes.contiguous()  # same values, batch stride h: must not replay the strided launch
+    launcher, _ = _fresh_launcher(monkeypatch, device)
     run(qs[2], calls[2][0], slopes)
     torch.testing.assert_close(run(qs[2], calls[2][0], other)[0], replayed[2][0], rtol=0, atol=0)
-    assert len(pd._PAGED_LAUNCHES) == 2
+    assert len(launcher) == 2
 
 
 def test_run_decode_relaunches_the_compiled_kernels(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
@@ -337,7 +340,7 @@ def test_run_decode_relaunches_the_compiled_kernels(monkeypatch: pytest.MonkeyPa
         return plan_decode(b, h, hk, d, block_size=bs, max_seqlen_k=128, q_dtype=torch.float32,
                            device=device, num_splits=3)  # fmt: skip
 
-    fakes = _fresh_caches(monkeypatch, device, pd, _PAGED_CACHES)
+    _, fakes = _fresh_launcher(monkeypatch, device)
     p = plan()
     calls = [
         (torch.randn(b, h, d), torch.tensor(lens, dtype=torch.int32))
@@ -345,10 +348,10 @@ def test_run_decode_relaunches_the_compiled_kernels(monkeypatch: pytest.MonkeyPa
     ]
     got = [run_decode(p, q, k_cache, v_cache, table, lens) for q, lens in calls + calls[::-1]]
     if fakes:
-        for name in _PAGED_CACHES:
+        for name in ("_main", "_combine"):
             assert fakes[name].launches == 1 and fakes[name].replays == 3, name
     for (q, lens), out in zip(calls + calls[::-1], got, strict=True):
-        _fresh_caches(monkeypatch, device, pd, _PAGED_CACHES)
+        _fresh_launcher(monkeypatch, device)
         assert torch.equal(run_decode(plan(), q, k_cache, v_cache, table, lens), out)
 
 
@@ -523,7 +526,7 @@ def test_every_kernel_launch_pins_fp_fusion(monkeypatch: pytest.MonkeyPatch, dev
     )
     expected = {
         "_rms_norm_kernel", "_rope_kernel", "_silu_mul_kernel", "_reshape_and_cache_kernel", "_attn_fwd_kernel",
-        "_attn_probs_kernel", "_paged_attn_kernel", "_combine_kernel",
+        "_attn_probs_kernel", "paged_attn_kernel", "combine_kernel",
     }  # fmt: skip
     assert expected <= seen.keys(), sorted(seen)
     assert any(name.startswith("_bwd") for name in seen), sorted(seen)

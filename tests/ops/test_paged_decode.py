@@ -10,26 +10,21 @@ import torch
 from torch import Tensor
 
 from flashpage.ops.cache_write import fp8_kv_scales, reshape_and_cache
-from flashpage.ops.launch_cache import cdiv
-from flashpage.ops.paged_decode import (
+from flashpage.ops.paged_decode import paged_decode
+from flashpage.ops.paged_launch import (
     PagedAttnConfig,
     check_paged_values,
-    choose_num_splits,
     default_decode_config,
-    default_num_sms,
-    k_pairs_apply,
     kv_heads_per_program,
-    merge_chunk,
-    paged_decode,
     paged_grid,
-    paged_kernel_constexprs,
     paged_tiles,
     v_pairs_apply,
     wide_offsets,
 )
 from flashpage.ops.paged_plan import plan_decode, run_decode
 from flashpage.ops.reference import paged_attention_ref
-from flashpage.roofline.planner import choose_heads_per_program
+from flashpage.ops.utils import cdiv, default_num_sms
+from flashpage.roofline.planner import choose_heads_per_program, choose_num_splits
 from tests.tolerance import assert_close_to_ref
 
 
@@ -286,15 +281,13 @@ def test_head_major_cache_storage() -> None:
         assert_close_to_ref(out, ref[:, 0], same[:, 0])
 
 
-@pytest.mark.parametrize("cfg", [PagedAttnConfig(fused_combine=True), PagedAttnConfig(block_n=32, early_v=True,
-                                 fused_combine=True), PagedAttnConfig(heads_first=True, combine_block_d=16),
-                                 PagedAttnConfig(heads_first=True, fused_combine=True)],
-                         ids=["fused-combine", "fused-early-v", "heads-first", "heads-first-fused"])  # fmt: skip
+@pytest.mark.parametrize("cfg", [PagedAttnConfig(block_n=32, early_v=True, combine_warps=1),
+                                 PagedAttnConfig(heads_first=True, combine_block_d=16)],
+                         ids=["early-v", "heads-first"])  # fmt: skip
 def test_split_combine_variants(cfg: PagedAttnConfig, device: str) -> None:
-    """The in-kernel merge of the splits (last arriving program) and the combine kernel over
-    column blocks equal the reference, multi-query rows with nothing visible included (outputs and
-    LSE), and the merge leaves its arrival counters zero for the next launch (a plan's workspace is
-    reused by every layer and every CUDA-graph replay)."""
+    """The combine kernel over column blocks equals the reference, multi-query rows with nothing
+    visible included (outputs and LSE), twice on a plan's one workspace (reused by every layer and
+    every CUDA-graph replay)."""
     lens, nheads, nheads_k, d = [2, 150, 33], 8, 2, 32
     kc, vc, bt, sl = make_paged_cache(lens, 16, nheads_k, d)
     q = torch.randn(len(lens), 3, nheads, d)
@@ -308,7 +301,6 @@ def test_split_combine_variants(cfg: PagedAttnConfig, device: str) -> None:
     for _ in range(2):
         out = run_decode(plan, q, kc, vc, bt, sl, lse=lse)
         assert_close_to_ref(out, ref, same)
-        assert bool((plan.workspace[2] == 0).all())
     lse_bqh = lse.view(3, 3, nheads)
     assert bool(torch.isinf(lse_bqh[0, 0]).all())
     fin = torch.isfinite(ref_lse)
@@ -316,38 +308,6 @@ def test_split_combine_variants(cfg: PagedAttnConfig, device: str) -> None:
     out2, lse2 = paged_decode(q, kc, vc, bt, sl, num_splits=4, config=cfg, return_lse=True)
     assert_close_to_ref(out2, ref, same)
     torch.testing.assert_close(lse2[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
-
-
-def test_fused_combine_merges_in_chunks() -> None:
-    """The last arriving split merges ``merge_chunk`` splits per step (one step's loads issued
-    together): several steps, a partial last step and steps of empty splits (short sequences)
-    equal the reference and the combine kernel, outputs and LSE; with ALiBi the late splits
-    outweigh the early ones, so a later step must rescale what the earlier ones summed."""
-    assert merge_chunk(16, 128, 4) == 4 and merge_chunk(16, 32, 1) == 4 and merge_chunk(64, 256, 4) == 1
-    lens, nheads, nheads_k, d = [2, 150, 33], 8, 2, 32
-    kc, vc, bt, sl = make_paged_cache(lens, 16, nheads_k, d)
-    q = torch.randn(len(lens), nheads, d)
-    cfg = PagedAttnConfig(block_n=16, num_warps=1, fused_combine=True)  # 4 splits per step at d=32
-    for kw in ({}, {"alibi_slopes": torch.full((nheads,), 0.5)}):
-        ref, ref_lse, same = _refs(q.unsqueeze(1), kc, vc, bt, sl, **kw)
-        for splits in (5, 8):  # 150 tokens: 5 non-empty splits of 32 tokens, the fifth in step 2
-            out, lse = paged_decode(q, kc, vc, bt, sl, num_splits=splits, config=cfg, return_lse=True,
-                                    **kw)  # type: ignore[arg-type]  # fmt: skip
-            assert_close_to_ref(out, ref[:, 0], same[:, 0])
-            torch.testing.assert_close(lse, ref_lse[:, :, 0], atol=1e-5, rtol=1e-5)
-            plain = paged_decode(q, kc, vc, bt, sl, num_splits=splits, config=replace(cfg, fused_combine=False),
-                                 **kw)  # type: ignore[arg-type]  # fmt: skip
-            torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
-    # 16 query tokens x 4 heads: 64-row tiles, one split per step
-    q16 = torch.randn(len(lens), 16, nheads, d)
-    tiles = paged_tiles(cfg, 16, nheads, nheads_k, torch.float32)
-    consts = paged_kernel_constexprs(
-        cfg, tiles, group=4, head_dim=d, page_size=16, fp8=False, split=True, fp32_dot=True, fused=True
-    )
-    assert consts["MERGE_CH"] == 1
-    ref, _, same = _refs(q16, kc, vc, bt, sl, causal=True)
-    out = paged_decode(q16, kc, vc, bt, sl, num_splits=3, config=cfg, causal=True)
-    assert_close_to_ref(out, ref, same)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
@@ -457,11 +417,21 @@ def test_plan_run_matches_and_never_syncs(monkeypatch: pytest.MonkeyPatch, devic
 def test_run_decode_binds_and_relaunches(
     monkeypatch: pytest.MonkeyPatch, device: str, kv: str, splits: int
 ) -> None:
-    """``run_decode`` binds its first launch per tensor layout; later calls with new tensors laid out
-    alike (new values, block tables, lengths, output buffers, a ``(batch, 1, nheads, d)`` q of the
-    same rows) only relaunch it (no ``launch_paged_attention``) and match the reference on their own
-    data; an LSE buffer or a larger cache is a new layout and binds anew. fp8: V read as byte pairs, no scales (ones)."""
-    from flashpage.ops import paged_decode as pd
+    """``run_decode`` binds the plan's launch on its first call; later calls with new tensors laid
+    out alike (new values, block tables, lengths, output buffers, a ``(batch, 1, nheads, d)`` q of
+    the same rows) only relaunch it (no ``PagedLauncher.bind``) and match the reference on their own
+    data; an LSE buffer or a larger cache is a new layout and rebinds. fp8: V read as byte pairs,
+    no scales (ones)."""
+    from flashpage.ops.paged_launch import PagedLauncher
+
+    binds = []
+    real_bind = PagedLauncher.bind
+
+    def counting_bind(self: PagedLauncher, *args: object, **kwargs: object) -> object:
+        binds.append(1)
+        return real_bind(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PagedLauncher, "bind", counting_bind)
 
     nheads, nheads_k, d, fp8 = 8, 2, 32, kv == "fp8"
     sets = []
@@ -486,52 +456,49 @@ def test_run_decode_binds_and_relaunches(
     check(run_decode(plan, q, *sets[0]), q, *sets[0])
     q4 = torch.randn(3, 1, nheads, d)  # (batch, 1, nheads, d): the same rows, so the same launch
     check(run_decode(plan, q4, *sets[1])[:, 0], q4[:, 0], *sets[1])
-    assert len(plan.launches) == 1
+    assert len(binds) == 1
 
     def unbound(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a bound layout went through launch_paged_attention")
+        raise AssertionError("a bound layout went through PagedLauncher.bind")
 
     with monkeypatch.context() as m:
-        m.setattr(pd, "launch_paged_attention", unbound)
+        m.setattr(PagedLauncher, "bind", unbound)
         for kc, vc, bt, sl in (sets[1], sets[0]):
             for shape in ((3, nheads, d), (3, 1, nheads, d)):
                 q = torch.randn(shape)
                 out = torch.full_like(q, float("nan"))
                 assert run_decode(plan, q, kc, vc, bt, sl, out=out) is out
                 check(out.view(3, nheads, d), q.view(3, nheads, d), kc, vc, bt, sl)
-    assert len(plan.launches) == 1
+    assert len(binds) == 1
     for i, caches in enumerate((sets[1], sets[0])):  # binds, then relaunches with an LSE buffer
         lse = torch.full((3, nheads), float("nan"))
         q = torch.randn(3, nheads, d)
         with monkeypatch.context() as m:
             if i:
-                m.setattr(pd, "launch_paged_attention", unbound)
+                m.setattr(PagedLauncher, "bind", unbound)
             want = check(run_decode(plan, q, *caches, lse=lse), q, *caches)
         torch.testing.assert_close(lse, want[:, :, 0], atol=1e-5, rtol=1e-5)
     kc, vc, bt, sl = sets[1]
     big = [torch.cat([c, c[:2]]) for c in (kc, vc)]  # two more blocks: a new cache shape
     check(run_decode(plan, q, *big, bt, sl), q, *big, bt, sl)
-    assert len(plan.launches) == 3
-    assert len(replace(plan, causal=False).launches) == 0  # another plan binds its own launches
+    assert len(binds) == 3
+    assert replace(plan, causal=False).bound.launch is None  # another plan binds its own launch
 
 
-@pytest.mark.parametrize(
-    ("kv", "splits", "fused"), [("fp32", 1, False), ("fp32", 2, False), ("fp8", 2, True)]
-)
+@pytest.mark.parametrize(("kv", "splits"), [("fp32", 1), ("fp32", 2), ("fp8", 2)])
 def test_eager_entry_points_relaunch_bound_launches(
-    monkeypatch: pytest.MonkeyPatch, device: str, kv: str, splits: int, fused: bool
+    monkeypatch: pytest.MonkeyPatch, device: str, kv: str, splits: int
 ) -> None:
     """``paged_decode`` and ``flash_attn_with_kvcache`` bind their first launch per layout and
-    argument set (``EAGER_LAUNCHES``); later calls with new values, tables and lengths relaunch it
-    (no ``launch_paged_attention``), each with its own split workspace (fused combine: fresh zero
-    counters), and match the reference. Another softmax scale, an LSE output or another entry
-    point's arguments is another key and binds anew."""
+    argument set (the eager :class:`PagedLauncher`); later calls with new values, tables and lengths
+    relaunch it (no ``PagedLauncher.bind``), each with its own split workspace, and match the
+    reference. Another softmax scale, an LSE output or another entry point's arguments is another
+    key and binds anew."""
     from flashpage.ops import kvcache
-    from flashpage.ops import paged_decode as pd
+    from flashpage.ops.paged_launch import PagedLauncher, eager_launcher
 
-    memo = pd.PagedLaunches()
-    monkeypatch.setattr(pd, "EAGER_LAUNCHES", memo)
-    monkeypatch.setattr(kvcache, "EAGER_LAUNCHES", memo)
+    memo = eager_launcher()
+    memo.clear()
     nheads, nheads_k, d, fp8 = 8, 2, 32, kv == "fp8"
     sets = []
     for lens in ([70, 5, 33], [66, 12, 40]):
@@ -539,7 +506,7 @@ def test_eager_entry_points_relaunch_bound_launches(
         if fp8:
             kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
         sets.append((kc, vc, bt, sl))
-    config = replace(default_decode_config(sets[0][0].dtype, d), block_n=32, fused_combine=fused)
+    config = replace(default_decode_config(sets[0][0].dtype, d), block_n=32)
 
     def decode(
         q: Tensor, kc: Tensor, vc: Tensor, bt: Tensor, sl: Tensor, **kw: object
@@ -565,10 +532,10 @@ def test_eager_entry_points_relaunch_bound_launches(
     assert bound in (1, 2)
 
     def unbound(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a bound layout went through launch_paged_attention")
+        raise AssertionError("a bound layout went through PagedLauncher.bind")
 
     with monkeypatch.context() as m:
-        m.setattr(pd, "launch_paged_attention", unbound)
+        m.setattr(PagedLauncher, "bind", unbound)
         for caches in (sets[1], sets[0], sets[1]):
             q = torch.randn(3, nheads, d)
             check(decode(q, *caches), q, *caches)
@@ -609,7 +576,11 @@ def test_wide_tiles_for_several_head_programs(device: str) -> None:
     """Where the planner gives a program several KV heads, the default decode config takes
     ``wide_block_n`` columns per tile and one wave of two programs per SM; the result still equals
     the reference (16-token pages, so a 128-column tile of 2 heads gathers 4 pages)."""
-    from flashpage.ops.paged_decode import resolve_launch
+    from flashpage.ops.paged_plan import choose_launch
+
+    def resolve_launch(*args: object) -> tuple[PagedAttnConfig, object, int]:
+        c = choose_launch(*args[:-1], default_num_sms(args[-1]))  # type: ignore[arg-type]
+        return c.config, c.tiles, c.num_splits
 
     bf16, cpu = torch.bfloat16, torch.device("cpu")  # 4 "SMs" off CUDA
     auto = default_decode_config(bf16, 32)
@@ -642,26 +613,26 @@ def test_wide_tiles_for_several_head_programs(device: str) -> None:
     assert_close_to_ref(run_decode(plan, q, kc, vc, bt, sl), ref[:, 0], same[:, 0])
 
 
-def test_resolve_launch_is_remembered_and_still_refuses() -> None:
-    """resolve_launch computes an answer once per argument tuple and then returns it from its memo,
-    and a bad split count raises on every call (nothing is remembered for it)."""
-    from flashpage.ops import paged_decode as pd
+def test_choose_launch_is_remembered_and_still_refuses() -> None:
+    """choose_launch computes an answer once per argument tuple and then returns it from its cache;
+    its split count is the planner's for the chosen heads, and a bad split count raises on every
+    call (nothing is remembered for it)."""
+    from flashpage.ops.paged_plan import choose_launch
 
-    cpu = torch.device("cpu")
     for cfg, splits, batch, sq, h, hk, n in [
         (PagedAttnConfig(), 0, 1, 1, 32, 8, 131072),
         (PagedAttnConfig(), 0, 32, 1, 32, 32, 32768),
         (PagedAttnConfig(block_m=128), 3, 4, 200, 16, 4, 4096),
     ]:
-        args = (cfg, splits, batch, sq, h, hk, torch.bfloat16, n, cpu)
-        pd._RESOLVED_LAUNCHES.clear()
-        want = pd.resolve_launch(*args)  # computed
-        assert len(pd._RESOLVED_LAUNCHES) == 1 and pd.resolve_launch(*args) is want  # remembered
-        assert want[2] == pd.resolve_num_splits(splits, batch * want[1].q_tiles, want[1].head_programs, n,
-                                                want[1].tile_tokens, cpu)  # fmt: skip
+        args = (cfg, splits, batch, sq, h, hk, torch.bfloat16, n, 4)
+        want = choose_launch(*args)
+        assert choose_launch(*args) is want  # remembered
+        t = want.tiles
+        expect = splits or choose_num_splits(batch * t.q_tiles, t.head_programs, n, 4)
+        assert want.num_splits == min(expect, cdiv(n, t.tile_tokens))
     for _ in range(2):
         with pytest.raises(ValueError, match="num_splits"):
-            pd.resolve_launch(PagedAttnConfig(), 999, 1, 1, 32, 8, torch.bfloat16, 4096, cpu)
+            choose_launch(PagedAttnConfig(), 999, 1, 1, 32, 8, torch.bfloat16, 4096, 4)
 
 
 def test_check_paged_values_messages() -> None:
@@ -731,14 +702,14 @@ def test_multi_head_programs(
 ) -> None:
     """Programs owning several KV heads (each token's heads read as one run, ``Q K^T`` masked to
     pairs of the same head) equal the reference for decode and multi-query rows, split or not, with
-    the options that mask per row or column (window, ALiBi, softcap) and the in-kernel combine."""
+    the options that mask per row or column (window, ALiBi, softcap)."""
     d = 32
     kc, vc, bt, sl = make_paged_cache(lens, block_size, nheads_k, d)
     base = PagedAttnConfig(block_n=block_n, heads_per_program=heads)
     for sq, kw, cfg in (
         (1, {}, base),
         (1, {"window_size": (20, 0), "softcap": 2.0}, replace(base, heads_first=True, combine_block_d=16)),
-        (2, {"alibi_slopes": torch.rand(len(lens), nheads)}, replace(base, fused_combine=True)),
+        (2, {"alibi_slopes": torch.rand(len(lens), nheads)}, replace(base, early_v=True)),
         (1, {}, replace(base, prefetch_table=True, early_v=True)),
     ):
         q = torch.randn(len(lens), sq, nheads, d)
@@ -758,7 +729,7 @@ def _fp8_caches(kc: Tensor, vc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor,
     return kc8, vc8, ks, vs, kc8.float() * ks.view(1, 1, -1, 1), vc8.float() * vs.view(1, 1, -1, 1)
 
 
-def _slice_case(
+def _pair_case(
     block_size: int, opts: dict[str, object]
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, dict[str, object]]:
     """Ragged paged caches (lengths 2, 77, 48, 1; GQA 8/2, d=32), queries of ``opts["q_len"]``
@@ -776,85 +747,22 @@ def _slice_case(
 @pytest.mark.parametrize(
     ("block_size", "block_n", "warps", "opts"),
     [
-        (16, 64, 4, {}),  # 16-token slices, one page each
-        (8, 32, 2, {"window_size": (20, 0), "softcap": 3.0}),  # slices span two pages
-        (32, 32, 2, {"alibi": True}),  # page >= tile: one scalar block id per tile
-        (16, 64, 4, {"early_v": True, "q_len": 3}),  # multi-query rows, one sees nothing
-    ],
-)
-def test_warp_slices(block_size: int, block_n: int, warps: int, opts: dict[str, object]) -> None:
-    """Tiles cut into one slice per warp (own softmax state, merged after the loop) equal the
-    reference and the unsliced kernel: masks, options, multi-query rows, splits, fp8 caches."""
-    kc, vc, bt, sl, q, kw = _slice_case(block_size, opts)
-    cfg = PagedAttnConfig(
-        block_n=block_n, num_warps=warps, warp_slices=True, early_v=bool(opts.get("early_v"))
-    )
-    ref, ref_lse, same = _refs(q, kc, vc, bt, sl, causal=True, **kw)
-    fin = torch.isfinite(ref_lse)
-    for splits in (1, 3):
-        out, lse = paged_decode(q, kc, vc, bt, sl, num_splits=splits, config=cfg, return_lse=True, **kw)  # type: ignore[arg-type]
-        assert_close_to_ref(out, ref, same)
-        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
-        torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
-        plain = paged_decode(
-            q, kc, vc, bt, sl, num_splits=splits, config=replace(cfg, warp_slices=False), **kw
-        )  # type: ignore[arg-type]
-        torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
-    # fp8 caches (one scale per head) against the dequantised reference.
-    kc8, vc8, ks, vs, kd, vd = _fp8_caches(kc, vc)
-    ref8, _, same8 = _refs(q, kd, vd, bt, sl, causal=True, **kw)
-    out8 = paged_decode(q, kc8, vc8, bt, sl, num_splits=2, config=cfg, k_scale=ks, v_scale=vs, **kw)  # type: ignore[arg-type]
-    assert_close_to_ref(out8, ref8, same8)
-
-
-def test_warp_slices_config_errors() -> None:
-    with pytest.raises(ValueError, match="warp_slices"):
-        PagedAttnConfig(block_n=32, num_warps=4, warp_slices=True)  # 8-token slices
-    with pytest.raises(ValueError, match="warp_slices"):
-        PagedAttnConfig(block_n=64, warp_slices=True, use_tma=True)
-    assert (
-        kv_heads_per_program(PagedAttnConfig(warp_slices=True, heads_per_program=0), 1, 4, 8, torch.bfloat16)
-        == 1
-    )
-    # Decode tiles (16 rows) are sliced; multi-query row tiles, where each warp would hold every
-    # row's accumulator, are not.
-    cfg = PagedAttnConfig(block_n=128, warp_slices=True)
-    for q_len, slices in ((1, 4), (4, 4), (5, 0)):
-        tiles = paged_tiles(cfg, q_len, 32, 8, torch.bfloat16)
-        consts = paged_kernel_constexprs(
-            cfg, tiles, group=4, head_dim=128, page_size=16, fp8=False, split=False, fp32_dot=False
-        )
-        assert consts["SLICES"] == slices, (q_len, tiles.block_m)
-
-
-@pytest.mark.parametrize(
-    ("block_size", "block_n", "warps", "opts"),
-    [
-        (16, 64, 4, {"pairs": "kv"}),
-        # slices over 2 pages
-        (8, 32, 2, {"pairs": "kv", "window_size": (20, 0), "softcap": 3.0, "warp_slices": True}),
-        (32, 32, 2, {"pairs": "k", "alibi": True, "early_v": True}),  # page >= tile
-        # multi-query rows (12 of 16), one sees nothing; splits merged by the last arriving program
-        (16, 64, 4, {"pairs": "v", "q_len": 3, "warp_slices": True, "fused_combine": True}),
+        (16, 64, 4, {}),
+        (8, 32, 2, {"window_size": (20, 0), "softcap": 3.0}),  # tiles over 2 pages
+        (32, 32, 2, {"alibi": True, "early_v": True}),  # page >= tile
+        (16, 64, 4, {"q_len": 3}),  # multi-query rows (12 of 16), one sees nothing
     ],
 )
 def test_byte_pairs(block_size: int, block_n: int, warps: int, opts: dict[str, object]) -> None:
-    """fp8 K and/or V read as int16 byte pairs (V's even / odd columns accumulated apart and
-    interleaved at the end; Q K^T as even plus odd columns): equal to the reference over the
-    dequantised caches and to the byte-wise kernel, with masks, options, warp slices, multi-query
-    rows and splits (combined by the combine kernel or in-kernel by the last arriving split)."""
-    pairs = str(opts["pairs"])
-    kc, vc, bt, sl, q, kw = _slice_case(block_size, opts)
+    """fp8 V read as int16 byte pairs (its even / odd columns accumulated apart and interleaved at
+    the end): equal to the reference over the dequantised caches and to the byte-wise kernel, with
+    masks, options, multi-query rows and splits."""
+    kc, vc, bt, sl, q, kw = _pair_case(block_size, opts)
     kc8, vc8, ks, vs, kd, vd = _fp8_caches(kc, vc)
     q_len, nheads, nheads_k, d = q.shape[1], q.shape[2], kc.shape[2], kc.shape[3]
-    cfg = PagedAttnConfig(
-        block_n=block_n, num_warps=warps, v_pairs="v" in pairs, k_pairs="k" in pairs,
-        warp_slices=bool(opts.get("warp_slices")), early_v=bool(opts.get("early_v")),
-        fused_combine=bool(opts.get("fused_combine")),
-    )  # fmt: skip
+    cfg = PagedAttnConfig(block_n=block_n, num_warps=warps, v_pairs=True, early_v=bool(opts.get("early_v")))
     tiles = paged_tiles(cfg, q_len, nheads, nheads_k, vc8.dtype)
-    assert v_pairs_apply(cfg, tiles, vc8, d, use_tma=False) == ("v" in pairs)
-    assert k_pairs_apply(cfg, tiles, kc8, d, use_tma=False) == ("k" in pairs)
+    assert v_pairs_apply(cfg, tiles, vc8, d, use_tma=False)
     ref, ref_lse, same = _refs(q, kd, vd, bt, sl, causal=True, **kw)
     fin = torch.isfinite(ref_lse)
     for splits in (1, 3):
@@ -863,7 +771,7 @@ def test_byte_pairs(block_size: int, block_n: int, warps: int, opts: dict[str, o
         assert_close_to_ref(out, ref, same)
         torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
         plain = paged_decode(q, kc8, vc8, bt, sl, num_splits=splits,
-                             config=replace(cfg, v_pairs=False, k_pairs=False),
+                             config=replace(cfg, v_pairs=False),
                              k_scale=ks, v_scale=vs, **kw)  # type: ignore[arg-type]  # fmt: skip
         torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
 
@@ -896,30 +804,9 @@ def test_v_pairs_applies_where_it_can() -> None:
     assert_close_to_ref(out, ref, same)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_share_kv_offsets_only_for_equal_strides(fp8: bool) -> None:
-    """``share_kv_offsets`` reads V at K's offsets only where the strides (as the kernel reads the
-    caches) agree: a V cache inside a wider buffer (other strides) decodes as without the option."""
-    lens, nheads, nheads_k, d = [9, 40, 33], 8, 2, 32
-    kc, vc, bt, sl = make_paged_cache(lens, 8, nheads_k, d)
-    if fp8:
-        kc, vc, ks, vs, kd, vd = _fp8_caches(kc, vc)
-        scales: dict[str, Tensor] = {"k_scale": ks, "v_scale": vs}
-    else:
-        kd, vd, scales = kc, vc, {}
-    wide = torch.zeros(*vc.shape[:-1], 2 * d, dtype=vc.dtype)
-    wide[..., :d] = vc
-    q = torch.randn(len(lens), 1, nheads, d)
-    ref, _, same = _refs(q, kd, vd, bt, sl, causal=True)
-    cfg = PagedAttnConfig(block_n=32, num_warps=2, share_kv_offsets=True, v_pairs=fp8, k_pairs=fp8)
-    for v_cache in (vc, wide[..., :d]):
-        out = paged_decode(q, kc, v_cache, bt, sl, num_splits=2, config=cfg, **scales)  # type: ignore[arg-type]
-        assert_close_to_ref(out, ref, same)
-
-
 def test_byte_pairs_contiguous_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp8 K and V read as byte pairs with shared offsets over a contiguous cache (no page table),
-    with left padding and ``cache_batch_idx``: equal to the byte-wise kernel."""
+    """fp8 V read as byte pairs over a contiguous cache (no page table), with left padding and
+    ``cache_batch_idx``: equal to the byte-wise kernel."""
     import flashpage.ops.kvcache as kvcache
 
     batch, s_cache, nheads, nheads_k, d = 3, 80, 8, 2, 32
@@ -933,28 +820,9 @@ def test_byte_pairs_contiguous_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = PagedAttnConfig(block_n=32, num_warps=2)
     monkeypatch.setattr(kvcache, "kv_attention_config", lambda *a, **k: cfg)
     plain = kvcache.flash_attn_with_kvcache(q, kc8, vc8, **kw)  # type: ignore[arg-type]
-    cfg_pairs = replace(cfg, k_pairs=True, v_pairs=True, share_kv_offsets=True)
+    cfg_pairs = replace(cfg, v_pairs=True)
     tiles = paged_tiles(cfg_pairs, 1, nheads, nheads_k, kc8.dtype)
-    assert k_pairs_apply(cfg_pairs, tiles, kc8, d, use_tma=False)
     assert v_pairs_apply(cfg_pairs, tiles, vc8, d, use_tma=False)
     monkeypatch.setattr(kvcache, "kv_attention_config", lambda *a, **k: cfg_pairs)
     pairs = kvcache.flash_attn_with_kvcache(q, kc8, vc8, **kw)  # type: ignore[arg-type]
     torch.testing.assert_close(pairs, plain, atol=1e-5, rtol=1e-5)
-
-
-def test_warp_slices_contiguous_cache_leftpad(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Warp slices over a contiguous cache (no page table) with left padding (keys before
-    ``cache_leftpad`` hidden): equal to the unsliced kernel."""
-    import flashpage.ops.kvcache as kvcache
-
-    batch, s_cache, nheads, nheads_k, d = 3, 80, 8, 2, 32
-    kc = torch.randn(batch, s_cache, nheads_k, d)
-    vc = torch.randn_like(kc)
-    q = torch.randn(batch, 1, nheads, d)
-    kw = {"cache_seqlens": torch.tensor([5, 80, 47], dtype=torch.int32),
-          "cache_leftpad": torch.tensor([0, 33, 10], dtype=torch.int32), "num_splits": 2}  # fmt: skip
-    plain = kvcache.flash_attn_with_kvcache(q, kc, vc, **kw)  # type: ignore[arg-type]
-    cfg = PagedAttnConfig(block_n=32, num_warps=2, warp_slices=True)
-    monkeypatch.setattr(kvcache, "kv_attention_config", lambda *a, **k: cfg)
-    sliced = kvcache.flash_attn_with_kvcache(q, kc, vc, **kw)  # type: ignore[arg-type]
-    torch.testing.assert_close(sliced, plain, atol=1e-5, rtol=1e-5)

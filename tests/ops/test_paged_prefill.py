@@ -80,14 +80,14 @@ def test_chunked_prefill_matches_reference(
 
 
 def test_prefill_relaunches_its_bound_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``paged_prefill`` binds its first launch per layout (``EAGER_LAUNCHES``); the next layers'
+    """``paged_prefill`` binds its first launch per layout (the eager launcher); the next layers'
     calls (new queries and caches, other key lengths, same layout) relaunch it, each with its own
     split workspace, and match the reference."""
-    from flashpage.ops import paged_decode as pd
-    from flashpage.ops import paged_prefill as pp
+    from flashpage.ops import paged_launch as pl
+    from flashpage.ops.paged_kernel import paged_attn_kernel
 
-    memo = pd.PagedLaunches()
-    monkeypatch.setattr(pp, "EAGER_LAUNCHES", memo)
+    memo = pl.PagedLauncher()
+    monkeypatch.setattr(paged_attn_kernel, "_flashpage_eager", memo, raising=False)
     q, kc, vc, bt, sl, cu = _setup([20, 3], [70, 0], 32, 8, 1)
     cfg = PagedAttnConfig(block_m=16, block_n=16)
 
@@ -102,9 +102,9 @@ def test_prefill_relaunches_its_bound_launch(monkeypatch: pytest.MonkeyPatch) ->
     assert len(memo) == 1
 
     def unbound(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a bound layout went through launch_paged_attention")
+        raise AssertionError("a bound layout went through PagedLauncher.bind")
 
-    monkeypatch.setattr(pd, "launch_paged_attention", unbound)
+    monkeypatch.setattr(pl.PagedLauncher, "bind", unbound)
     check(torch.randn_like(q), torch.randn_like(kc), torch.randn_like(vc), sl)
     check(torch.randn_like(q), kc, vc, sl - torch.tensor([9, 0], dtype=torch.int32))
     assert len(memo) == 1

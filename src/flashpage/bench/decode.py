@@ -225,15 +225,13 @@ def _variant_configs(fp8: bool) -> list[Any]:
     if not fp8:
         cfgs += [PagedAttnConfig(block_n=bn, num_warps=w, num_stages=s, prefetch_table=True)
                  for bn, w, s in ((64, 4, 3), (64, 4, 4), (32, 4, 4), (128, 4, 3), (64, 8, 3))]  # fmt: skip
-    # The default configuration with each latency knob flipped: fused split combine, early V load,
-    # register cap, 64-bit KV-row offsets, the split-first grid, the plain second-launch combine,
-    # one token slice per warp, fp8 V and K read as byte pairs, shared K/V offsets.
+    # The default configuration with each latency knob flipped: early V load, register cap, 64-bit
+    # KV-row offsets, the split-first grid, the plain second-launch combine, fp8 V read as byte pairs.
     d0 = default_decode_config(torch.float8_e4m3fn if fp8 else torch.bfloat16, 128)
     plain = {"pdl": False, "combine_block_d": 0, "combine_warps": 4}
     bf16_only = [] if fp8 else [{"maxnreg": 128}, {"narrow_offsets": False}]
-    knobs = [{"fused_combine": True}, {"early_v": not d0.early_v}, *bf16_only, {"heads_first": False}, plain,
-             {"warp_slices": not d0.warp_slices}, *([{"v_pairs": not d0.v_pairs}, {"k_pairs": not d0.k_pairs},
-             {"share_kv_offsets": not d0.share_kv_offsets}] if fp8 else [])]  # fmt: skip
+    knobs = [{"early_v": not d0.early_v}, *bf16_only, {"heads_first": False}, plain,
+             *([{"v_pairs": not d0.v_pairs}] if fp8 else [])]  # fmt: skip
     return cfgs + [replace(d0, **kw) for kw in knobs]
 
 

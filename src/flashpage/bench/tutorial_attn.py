@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flashpage.ops.flash_configs import tma_supported
 from flashpage.ops.flash_fwd import make_row_descriptor
 from flashpage.ops.launch_cache import KERNEL_OPTIONS
+from flashpage.ops.utils import tma_supported
 
 __all__ = ["TUTORIAL_CONFIGS", "tutorial_attention"]
 

@@ -3,8 +3,9 @@
 * Sequence-parallel attention: ``ring_flash_attn_func``, ``zigzag_ring_flash_attn_func``,
   ``zigzag_split``, ``zigzag_merge`` (and the ``*_varlen_func`` variants with ``varlen_split`` /
   ``varlen_merge``).
-* Tensor parallelism: ``LLM(..., tensor_parallel_size=N)`` uses :mod:`.tensor_parallel`
-  (``ColumnParallelLinear``, ``RowParallelLinear``, ``TensorParallel``, ``head_split``, ``shard_model_``).
+* Tensor parallelism: :mod:`.tensor_parallel`'s building blocks (``ColumnParallelLinear``,
+  ``RowParallelLinear``, ``TensorParallel``, ``head_split``, ``shard_model_``), which
+  ``LLM(..., tensor_parallel_size=N)`` runs on every rank (:mod:`flashpage.engine.tp_workers`).
 * ``flashpage netprobe``: :mod:`.netprobe`.
 
 Contract: DESIGN.md "Distributed". Imported lazily so ``import flashpage.distributed`` stays light.

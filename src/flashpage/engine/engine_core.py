@@ -136,7 +136,7 @@ class EngineConfig:
         tensor_parallel_size: ranks the model's heads, MLP columns and vocabulary are split over (one GPU
             each; processes on CPU). Rank 0 (this process) schedules and samples; without ``torchrun``
             it spawns the other ranks. ``kv_cache_bytes`` is then per rank. See
-            :mod:`flashpage.distributed.tensor_parallel`.
+            :mod:`flashpage.engine.tp_workers`.
     """
 
     model: Any = "smollm2-135m-instruct"
@@ -270,7 +270,7 @@ class EngineCore:
             loaded = config.model  # an object from load_model()
         self.device, self.dtype = _placement(config, loaded)
         if config.tensor_parallel_size > 1:
-            from flashpage.distributed import tensor_parallel as tpar
+            from flashpage.engine import tp_workers as tpar  # lazily: only tensor-parallel engines
 
             if tpar.torchrun_rank() not in (None, 0):
                 # A torchrun rank other than 0 serves rank 0's steps, then exits with it.
@@ -340,7 +340,7 @@ class EngineCore:
 
     def _start_tensor_parallel(self) -> ModelRunner:
         """Start the other ranks, shard this rank's model, build its runner and hook the step broadcast."""
-        from flashpage.distributed.tensor_parallel import start_tensor_parallel
+        from flashpage.engine.tp_workers import start_tensor_parallel
 
         self.tp = start_tensor_parallel(self.config, self.model_config, self.device, self.dtype)
         try:

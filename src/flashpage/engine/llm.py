@@ -61,7 +61,7 @@ class LLM:
             the KV cache holds; an explicit value the cache cannot hold is an error.
         model_config: config for ``load_format="dummy"`` (ModelConfig or HF config dict).
         tensor_parallel_size: split the model over this many ranks (GPUs; processes on CPU), spawned by
-            the engine or launched by ``torchrun`` (see :mod:`flashpage.distributed.tensor_parallel`);
+            the engine or launched by ``torchrun`` (see :mod:`flashpage.engine.tp_workers`);
             ``model`` must then be a name or path.
     Raises:
         ValueError: a bad option (naming it) or a model that cannot be loaded.

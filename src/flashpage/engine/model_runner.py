@@ -8,7 +8,10 @@ Per step (:meth:`ModelRunner.execute`):
    block table, padded ``(B, max_blocks)`` block table, context lengths, ``cu_seqlens_q``, and the
    ``decode_only`` / ``prefix_free`` flags);
 3. ask the roofline planner (:func:`flashpage.roofline.planner.plan_attention`, once per step) which
-   kernel the step's phase gets and, for decode, the split-KV count (recorded per phase for stats);
+   kernel the step's phase gets; a decode step is planned once
+   (:func:`flashpage.ops.paged_plan.plan_decode`: split-KV count and KV heads per program, the
+   decision the benchmark's planner rows time) and the plan rides on the metadata to every layer;
+   what is launched is recorded per phase for stats;
 4. ``model.forward`` (or the replay of a captured CUDA graph for decode batches on GPU), then
    ``model.compute_logits`` of the last token of every sequence that samples this step.
 
@@ -18,13 +21,14 @@ the peak memory of a profiling forward of ``max_num_batched_tokens`` tokens (plu
 sequences of max_model_len tokens need)``.
 
 CUDA graphs (GPU, Triton backend, ``enforce_eager=False``): decode steps are captured per bucketed
-batch size (1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs``) and per split-KV count the planner can
-choose for that bucket, over static input buffers; a step pads its batch up to the bucket (padded rows
+batch size (1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs``) and per launch (heads per program,
+split-KV count) the planner can choose for that bucket, over static input buffers; a step pads its batch up to the bucket (padded rows
 write no KV: slot ``-1``). Capture happens at start-up; a failed capture falls back to eager.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -42,6 +46,9 @@ from flashpage.engine.scheduler import ScheduledSeq
 from flashpage.kv.layout import KVCacheSpec, allocate_kv_cache, copy_blocks, num_blocks_for_bytes
 from flashpage.ops.backend import resolve_backend
 from flashpage.ops.metadata import AttentionMetadata
+from flashpage.ops.paged_launch import default_decode_config, with_heads
+from flashpage.ops.paged_plan import DecodePlan, LaunchChoice, choose_launch, plan_decode
+from flashpage.ops.utils import default_num_sms
 
 __all__ = ["CPU_DEFAULT_KV_BYTES", "ModelRunner", "PhaseDecision", "RunnerConfig", "StepBatch"]
 
@@ -190,11 +197,17 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 @dataclass
 class _Graph:
-    """A captured decode step: ``replay()`` reruns it on the static buffers."""
+    """A captured decode step: ``replay()`` reruns it on the static buffers.
+
+    ``meta`` keeps the step's metadata (and its decode plan's split workspace, which the graph
+    writes) alive as long as the graph; ``out`` is the graph's output buffer.
+    """
 
     replay: Callable[[], Any]
     batch: int
-    num_splits: int
+    launch: tuple[int, int]  # (KV heads per program, split-KV count)
+    meta: AttentionMetadata
+    out: Tensor
 
 
 def _rerun_into(fn: Callable[[], Tensor], out: Tensor) -> None:
@@ -286,8 +299,10 @@ class ModelRunner:
         self.max_model_len = min(requested_len, num_blocks * self.block_size)
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
 
-        self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._graph_out_views: dict[tuple[int, int], Tensor] = {}
+        self._decode_config = default_decode_config(dtype, self.head_dim)
+        self._num_sms = default_num_sms(self.device)
+        self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._decode_plans: dict[tuple[int, int, int], DecodePlan | None] = {}
         self._graph_buckets: list[int] = []
         self.use_graphs = self.device.type == "cuda" and self.backend == "triton" and not config.enforce_eager
         self.graph_capture_s = 0.0
@@ -385,6 +400,12 @@ class ModelRunner:
         rec = self.decisions.get(phase)
         if rec is None:
             rec = self.decisions[phase] = PhaseDecision(phase, choice)
+        if batch.decode_only and batch.max_seqlen_q == 1:
+            # Record what the paged kernel launches (the split count of choose_launch, which also
+            # decides the KV heads per program), not the one-head estimate of plan_attention.
+            splits = self._decode_choice(batch.num_seqs, batch.max_seqlen_k).num_splits
+            kernel = "paged_decode_splitkv" if splits > 1 else "paged_decode"
+            choice = dataclasses.replace(choice, num_splits=splits, kernel=kernel)
         rec.choice = choice
         rec.steps += 1
         rec.tokens += batch.num_tokens
@@ -441,11 +462,11 @@ class ModelRunner:
         """:meth:`execute` of an already flattened step (the tensor-parallel workers' entry point)."""
         if copies:
             copy_blocks(self.kv_caches, copies)
-        phase, choice = self._plan(batch)
+        phase, _ = self._plan(batch)
         t0 = time.perf_counter()
         self.last_hidden = {}
         if batch.decode_only and self._graphs and not keep_hidden:
-            g = self._find_graph(batch.num_seqs, choice.num_splits)
+            g = self._find_graph(batch.num_seqs, self._decode_choice(batch.num_seqs, batch.max_seqlen_k))
             if g is not None:
                 self.decisions[phase].graph_steps += 1
                 hidden = self._replay(g, batch)
@@ -464,7 +485,7 @@ class ModelRunner:
             max_seqlen_k=batch.max_seqlen_k,
             decode_only=batch.decode_only,
             prefix_free=batch.prefix_free,
-            num_splits=choice.num_splits if batch.decode_only else 0,
+            decode_plan=self._decode_plan(batch.num_seqs, batch.max_seqlen_k) if batch.decode_only else None,
         )
         ids = self._to_device(batch.input_ids, torch.long)
         pos = self._to_device(batch.positions, torch.long)
@@ -479,26 +500,56 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA graphs
 
-    def _possible_splits(self, bucket: int, prev_bucket: int) -> list[int]:
-        """Every split count the planner can pick for a decode batch that uses this bucket."""
-        from flashpage.roofline.planner import plan_attention
+    def _decode_choice(self, batch: int, max_seqlen_k: int) -> LaunchChoice:
+        """How a one-token decode of ``batch`` sequences of at most ``max_seqlen_k`` keys launches."""
+        return choose_launch(
+            self._decode_config, 0, batch, 1, self.num_heads, self.num_kv_heads, self.dtype,
+            max(max_seqlen_k, 1), self._num_sms,
+        )  # fmt: skip
 
+    def _decode_plan(
+        self, batch: int, max_seqlen_k: int, launch: tuple[int, int] | None = None
+    ) -> DecodePlan | None:
+        """The step's decode plan (``None`` off the Triton backend): the planner's launch for
+        ``batch`` sequences of at most ``max_seqlen_k`` keys, or the given ``(heads per program,
+        splits)`` (graph capture)."""
+        if self.backend != "triton":
+            return None
+        if launch is None:
+            # Steps with the same batch and launch reuse one plan: its workspace, and the launch its
+            # first step bound (later steps relaunch it on every layer).
+            key = (batch, *self._launch_key(self._decode_choice(batch, max_seqlen_k)))
+            plan = self._decode_plans.get(key)
+            if plan is None:
+                if len(self._decode_plans) >= 256:
+                    self._decode_plans.clear()
+                plan = self._decode_plans[key] = self._decode_plan(batch, max_seqlen_k, key[1:])
+            return plan
+        return plan_decode(
+            batch, self.num_heads, self.num_kv_heads, self.head_dim, block_size=self.block_size,
+            max_seqlen_k=max(max_seqlen_k, 1), q_dtype=self.dtype, kv_dtype=self.dtype, device=self.device,
+            num_splits=launch[1], config=with_heads(self._decode_config, launch[0]),
+        )  # fmt: skip
+
+    @staticmethod
+    def _launch_key(choice: LaunchChoice) -> tuple[int, int]:
+        return choice.config.heads_per_program, choice.num_splits
+
+    def _possible_launches(self, bucket: int, prev_bucket: int) -> list[tuple[int, int]]:
+        """Every (heads per program, splits) the planner can pick for a decode batch in this bucket."""
         ctxs = sorted(
             {min(self.max_model_len, 1 << k) for k in range(0, 31) if (1 << k) <= 2 * self.max_model_len}
         )
-        splits: set[int] = set()
-        for b in range(prev_bucket + 1, bucket + 1):
-            for ctx in ctxs:
-                c = plan_attention(
-                    "decode", batch=b, seqlen_q=1, seqlen_k=max(ctx, 1), nheads=self.num_heads,
-                    nheads_k=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype, profile=self.profile,
-                )  # fmt: skip
-                splits.add(c.num_splits)
-        return sorted(splits)
+        launches = {
+            self._launch_key(self._decode_choice(b, ctx))
+            for b in range(prev_bucket + 1, bucket + 1)
+            for ctx in ctxs
+        }
+        return sorted(launches)
 
     @torch.inference_mode()
     def capture_graphs(self, emulate: bool = False) -> None:
-        """Capture the decode CUDA graphs (one per bucket and possible split count).
+        """Capture the decode CUDA graphs (one per bucket and possible launch).
 
         Args:
             emulate: instead of CUDA graphs, record plain re-runs of the forward over the same static
@@ -524,18 +575,17 @@ class ModelRunner:
         self._h_seqlens = torch.ones(max_bs, dtype=torch.int32, pin_memory=pin)
         self._h_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
         self._graphs.clear()
-        self._graph_out_views.clear()
         buckets = graph_batch_sizes(max_bs)
         pool = None
         try:
-            plan: list[tuple[int, int]] = []
+            todo: list[tuple[int, tuple[int, int]]] = []
             prev = 0
             for b in buckets:
-                plan.extend((b, s) for s in self._possible_splits(b, prev))
+                todo.extend((b, launch) for launch in self._possible_launches(b, prev))
                 prev = b
             # Largest first, so later (smaller) graphs reuse the pool's memory.
-            for b, s in sorted(plan, reverse=True):
-                meta = self._graph_meta(b, s)
+            for b, launch in sorted(todo, reverse=True):
+                meta = self._graph_meta(b, launch)
 
                 def fwd(b: int = b, meta: AttentionMetadata = meta) -> Tensor:
                     return self.model.forward(self._g_ids[:b], self._g_pos[:b], self.kv_caches, meta)
@@ -553,8 +603,7 @@ class ModelRunner:
                 else:
                     replay = functools.partial(_rerun_into, fwd, out)
                 # The output lives in the graph pool; each replay rewrites it in place.
-                self._graphs[(b, s)] = _Graph(replay, b, s)
-                self._graph_out_views[(b, s)] = out
+                self._graphs[(b, *launch)] = _Graph(replay, b, launch, meta, out)
             if cuda:
                 torch.cuda.synchronize(dev)
         except Exception as e:  # capture is an optimisation: fall back to eager, loudly
@@ -562,11 +611,10 @@ class ModelRunner:
                 f"CUDA graph capture failed, decode runs eagerly: {type(e).__name__}: {e}", stacklevel=2
             )
             self._graphs.clear()
-            self._graph_out_views.clear()
-        self._graph_buckets = sorted({b for b, _ in self._graphs})
+        self._graph_buckets = sorted({key[0] for key in self._graphs})
         self.graph_capture_s = time.perf_counter() - t0
 
-    def _graph_meta(self, b: int, splits: int) -> AttentionMetadata:
+    def _graph_meta(self, b: int, launch: tuple[int, int]) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self._g_slots[:b],
             block_table=self._g_tables[:b],
@@ -576,13 +624,13 @@ class ModelRunner:
             max_seqlen_k=self.max_model_len,
             decode_only=True,
             prefix_free=False,
-            num_splits=splits,
+            decode_plan=self._decode_plan(b, self.max_model_len, launch),
         )
 
-    def _find_graph(self, batch: int, splits: int) -> _Graph | None:
+    def _find_graph(self, batch: int, choice: LaunchChoice) -> _Graph | None:
         for b in self._graph_buckets:
             if b >= batch:
-                return self._graphs.get((b, splits))
+                return self._graphs.get((b, *self._launch_key(choice)))
         return None
 
     def _replay(self, g: _Graph, batch: StepBatch) -> Tensor:
@@ -610,13 +658,13 @@ class ModelRunner:
         if self._h_event is not None:
             self._h_event.record()
         g.replay()
-        return self._graph_out_views[(g.batch, g.num_splits)][:n]
+        return g.out[:n]
 
     def close(self) -> None:
         """Drop the graphs and the KV cache (frees device memory)."""
         self._graphs.clear()
-        self._graph_out_views.clear()
         self._graph_buckets = []
+        self._decode_plans.clear()
         self.kv_caches = []
 
 

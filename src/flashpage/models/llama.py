@@ -458,7 +458,7 @@ class LlamaForCausalLM(nn.Module):
             )
         # Derived per-step tensors memoised by the attention path live for one forward only (a captured
         # CUDA-graph step reuses its metadata object with new buffer contents).
-        meta.scratch.clear()
+        meta.begin_forward()
         c = self.config
         k0 = kv_caches[0][0]
         kv_heads = self.layers[0].self_attn.num_kv_heads if len(self.layers) else c.num_kv_heads

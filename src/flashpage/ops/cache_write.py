@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flashpage.ops.launch_cache import KERNEL_OPTIONS, next_pow2
+from flashpage.ops.launch_cache import KERNEL_OPTIONS
+from flashpage.ops.utils import next_pow2
 
 __all__ = ["FP8_E4M3_MAX", "fp8_kv_scales", "is_fp8_dtype", "reshape_and_cache", "validate_scale"]
 

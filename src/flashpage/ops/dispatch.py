@@ -16,7 +16,7 @@ from torch import Tensor
 
 from flashpage.ops.backend import resolve_backend
 from flashpage.ops.cache_write import reshape_and_cache
-from flashpage.ops.metadata import AttentionMetadata
+from flashpage.ops.metadata import AttentionMetadata, TorchStepIndices
 from flashpage.ops.paged_plan import plan_decode, run_decode
 from flashpage.ops.paged_prefill import paged_prefill
 
@@ -40,15 +40,11 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 
 def _torch_step_indices(
     meta: AttentionMetadata, num_tokens: int, block_size: int, window_left: int
-) -> dict[str, Tensor]:
-    """Index tensors of the torch path that depend only on the step (memoised on ``meta.scratch``).
-
-    Returns ``table`` ``(B, nblk)`` int64 block ids, ``seq``/``row`` ``(T,)`` padded positions of
-    the packed queries and ``mask`` ``(B, max_q, max_k)`` bool (lengths, causal, left window).
-    """
-    key = f"torch-idx-{block_size}-{window_left}"
-    hit = meta.scratch.get(key)
-    if hit is not None:
+) -> TorchStepIndices:
+    """Index tensors of the torch path that depend only on the step (kept on ``meta.torch_indices``
+    for the other layers of the forward)."""
+    hit = meta.torch_indices
+    if hit is not None and hit.block_size == block_size and hit.window_left == window_left:
         return hit
     b, dev = meta.num_seqs, meta.seqlens_k.device
     max_q, max_k = meta.max_seqlen_q, meta.max_seqlen_k
@@ -69,8 +65,8 @@ def _torch_step_indices(
     mask = (j < klen.view(b, 1, 1)) & (j <= pos_q)  # engine attention is always causal
     if window_left >= 0:
         mask &= j >= pos_q - window_left
-    out = {"table": meta.block_table[:, :nblk].long(), "seq": seq, "row": row, "mask": mask}
-    meta.scratch[key] = out
+    out = TorchStepIndices(block_size, window_left, meta.block_table[:, :nblk].long(), seq, row, mask)
+    meta.torch_indices = out
     return out
 
 
@@ -101,7 +97,7 @@ def torch_paged_attention(
     g = h // hk
     max_q, max_k = meta.max_seqlen_q, meta.max_seqlen_k
     ix = _torch_step_indices(meta, q.shape[0], k_cache.shape[1], window_size[0])
-    table, seq, row, mask = ix["table"], ix["seq"], ix["row"], ix["mask"]
+    table, seq, row, mask = ix.table, ix.seq, ix.row, ix.mask
     nblk = table.shape[1]
     # .to(q.dtype): an fp8 cache (unit scales) is read back in the compute dtype.
     kk = k_cache[table].view(b, nblk * k_cache.shape[1], hk, d)[:, :max_k].to(q.dtype).transpose(1, 2)
@@ -170,21 +166,19 @@ def _triton_attention(
     reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, validate=False)
     b, (h, d) = meta.num_seqs, q.shape[1:]
     if meta.decode_only:
-        # One plan per step, shared by the layers (memoised on meta.scratch, which the model clears
-        # per forward): the split workspace is allocated once, and the layers after the first
-        # relaunch the launch the first one bound.
-        key = (
-            f"decode-plan-{h}-{k_cache.shape[1:]}-{q.dtype}-{k_cache.dtype}-{q.device}-{softmax_scale}-"
-            f"{tuple(window_size)}-{softcap}"
-        )
-        plan = meta.scratch.get(key)
+        # One plan per step, shared by the layers: the split workspace is allocated once, and the
+        # layers after the first relaunch the launch the first one bound.
+        plan = meta.decode_plan
         if plan is None:
-            plan = meta.scratch[key] = plan_decode(
+            plan = meta.decode_plan = plan_decode(
                 b, h, k_cache.shape[2], d, block_size=k_cache.shape[1], max_seqlen_k=meta.max_seqlen_k,
                 q_dtype=q.dtype, kv_dtype=k_cache.dtype, device=q.device, num_splits=meta.num_splits,
                 softmax_scale=softmax_scale, causal=True, window_size=window_size, softcap=softcap,
             )  # fmt: skip
-        return run_decode(plan, q, k_cache, v_cache, meta.block_table, meta.seqlens_k)
+        return run_decode(
+            plan, q, k_cache, v_cache, meta.block_table, meta.seqlens_k,
+            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+        )  # fmt: skip
     if meta.prefix_free:
         flash_varlen = _flash_varlen_fwd()
         if flash_varlen is not None:

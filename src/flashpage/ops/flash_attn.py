@@ -45,7 +45,7 @@ from flashpage.ops.backend import resolve_backend
 from flashpage.ops.flash_args import FlashAttnError, flash_attn_errors, window_pair
 from flashpage.ops.flash_bwd import flash_bwd
 from flashpage.ops.flash_fwd import AttnProblem, attention_probs, check_attention_inputs, flash_fwd
-from flashpage.ops.paged_decode import check_paged_cache, check_paged_values
+from flashpage.ops.paged_launch import check_paged_cache, check_paged_values
 from flashpage.ops.paged_prefill import _check_cu_values as check_cu_values
 from flashpage.ops.paged_prefill import check_cu_seqlens, kv_attention_config, paged_prefill
 from flashpage.ops.reference import attention_ref, gather_paged_kv, varlen_attention_ref

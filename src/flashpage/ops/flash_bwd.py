@@ -38,26 +38,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flashpage.ops.flash_configs import (
-    BwdConfig,
-    autotune,
-    autotune_enabled,
-    bwd_candidates,
-    bwd_config,
-    tma_supported,
-)
-from flashpage.ops.flash_fwd import (
+from flashpage.ops.attn_math import (
     LOG2E,
+    attn_scores,
+    dropout_keep,
+    key_range,
+    key_visible,
+    load_rows,
+    row_offset,
+    seq_bounds,
+    tail_ws_offsets,
+)
+from flashpage.ops.flash_configs import BwdConfig, autotune, autotune_enabled, bwd_candidates, bwd_config
+from flashpage.ops.flash_fwd import (
     AttnProblem,
     TailSplit,
-    _keep,
-    _key_range,
-    _load_rows,
-    _row_off,
-    _scores,
-    _seq_bounds,
-    _visible,
-    _ws_offsets,
     alibi_args,
     bsh_strides,
     check_attention_inputs,
@@ -72,7 +67,8 @@ from flashpage.ops.flash_fwd import (
     tail_split_numbers,
     tma_row_view_ok,
 )
-from flashpage.ops.launch_cache import LaunchCache, aligned, cdiv, int_spec
+from flashpage.ops.launch_cache import aligned, int_spec, kernel_launches
+from flashpage.ops.utils import cdiv, tma_supported
 
 __all__ = ["flash_bwd"]
 
@@ -89,18 +85,18 @@ def _bwd_preprocess_kernel(
     pid_bh = tl.program_id(1)
     b = pid_bh // nheads
     h = pid_bh % nheads
-    q_start, sq, _ks, _sk = _seq_bounds(b, CU_Q, CU_Q, seqlen_q, seqlen_q, VARLEN)
+    q_start, sq, _ks, _sk = seq_bounds(b, CU_Q, CU_Q, seqlen_q, seqlen_q, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= sq:
         return
-    o_off = _row_off(q_start, b, stride_om, stride_ob, VARLEN)
-    do_off = _row_off(q_start, b, stride_dom, stride_dob, VARLEN)
-    l_off = _row_off(q_start, b, 1, stride_lb, VARLEN)
+    o_off = row_offset(q_start, b, stride_om, stride_ob, VARLEN)
+    do_off = row_offset(q_start, b, stride_dom, stride_dob, VARLEN)
+    l_off = row_offset(q_start, b, 1, stride_lb, VARLEN)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _load_rows(O + o_off + h * stride_oh, O, 0, 0, offs_m, offs_d, stride_om, sq,
+    o = load_rows(O + o_off + h * stride_oh, O, 0, 0, offs_m, offs_d, stride_om, sq,
                    HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
-    do = _load_rows(DO + do_off + h * stride_doh, DO, 0, 0, offs_m, offs_d, stride_dom, sq,
+    do = load_rows(DO + do_off + h * stride_doh, DO, 0, 0, offs_m, offs_d, stride_dom, sq,
                     HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + l_off + h * stride_lh + offs_m, delta, mask=offs_m < sq)
@@ -126,25 +122,25 @@ def _dkdv_tiles(
     for m0 in range(lo, hi, BLOCK_M):
         m0 = tl.multiple_of(m0, BLOCK_M)
         offs_m = m0 + offs_m0
-        q = _load_rows(q_ptr, desc_q, q_row0 + m0, q_col, offs_m, offs_d, stride_qm, sq,
+        q = load_rows(q_ptr, desc_q, q_row0 + m0, q_col, offs_m, offs_d, stride_qm, sq,
                        HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # fmt: skip
         if MASKED:
             lse = tl.load(lse_ptr + offs_m, mask=offs_m < sq, other=0.0)
         else:
             lse = tl.load(lse_ptr + offs_m)
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
-        s, t = _scores(qkT, offs_m[None, :], offs_n[:, None], off, qk_scale, cap_in, cap_out, slope2,
+        s, t = attn_scores(qkT, offs_m[None, :], offs_n[:, None], off, qk_scale, cap_in, cap_out, slope2,
                        SOFTCAP, HAS_ALIBI)  # fmt: skip
         pT = tl.math.exp2(s - (lse * LOG2E)[None, :])
         if MASKED:
             # where (not a -inf score) so rows without visible keys (lse = -inf) give 0, not NaN
-            vis = _visible(offs_m[None, :], offs_n[:, None], off, sq, sk, window_left, window_right,
+            vis = key_visible(offs_m[None, :], offs_n[:, None], off, sq, sk, window_left, window_right,
                            HAS_LEFT, HAS_RIGHT, True)  # fmt: skip
             pT = tl.where(vis, pT, 0.0)
-        do = _load_rows(do_ptr, desc_do, q_row0 + m0, q_col, offs_m, offs_d, stride_dom, sq,
+        do = load_rows(do_ptr, desc_do, q_row0 + m0, q_col, offs_m, offs_d, stride_dom, sq,
                         HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # fmt: skip
         if DROPOUT:
-            keep = _keep(seed, rng_base, offs_m[None, :], offs_n[:, None], rng_sk, dropout_p)
+            keep = dropout_keep(seed, rng_base, offs_m[None, :], offs_n[:, None], rng_sk, dropout_p)
         if DO_DV:
             if DROPOUT:
                 pdT = tl.where(keep, pT * drop_scale, 0.0)
@@ -205,24 +201,24 @@ def _dkdv_program(
     BLOCK_D)``) instead of DK / DV."""
     b = pid_bh // nheads_k
     hk = pid_bh % nheads_k
-    q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
+    q_start, sq, k_start, sk = seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 < sk:
-        q_off = _row_off(q_start, b, stride_qm, stride_qb, VARLEN)
-        do_off = _row_off(q_start, b, stride_dom, stride_dob, VARLEN)
-        dq_off = _row_off(q_start, b, stride_dqm, stride_dqb, VARLEN)
-        l_off = _row_off(q_start, b, 1, stride_lb, VARLEN)
-        k_off = _row_off(k_start, b, stride_kn, stride_kb, VARLEN)
-        v_off = _row_off(k_start, b, stride_vn, stride_vb, VARLEN)
-        dk_off = _row_off(k_start, b, stride_dkn, stride_dkb, VARLEN)
-        dv_off = _row_off(k_start, b, stride_dvn, stride_dvb, VARLEN)
+        q_off = row_offset(q_start, b, stride_qm, stride_qb, VARLEN)
+        do_off = row_offset(q_start, b, stride_dom, stride_dob, VARLEN)
+        dq_off = row_offset(q_start, b, stride_dqm, stride_dqb, VARLEN)
+        l_off = row_offset(q_start, b, 1, stride_lb, VARLEN)
+        k_off = row_offset(k_start, b, stride_kn, stride_kb, VARLEN)
+        v_off = row_offset(k_start, b, stride_vn, stride_vb, VARLEN)
+        dk_off = row_offset(k_start, b, stride_dkn, stride_dkb, VARLEN)
+        dv_off = row_offset(k_start, b, stride_dvn, stride_dvb, VARLEN)
         off = sk - sq
         nheads = nheads_k * group
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        k = _load_rows(K + k_off + hk * stride_kh, K, 0, 0, offs_n, offs_d, stride_kn, sk,
+        k = load_rows(K + k_off + hk * stride_kh, K, 0, 0, offs_n, offs_d, stride_kn, sk,
                        HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
-        v = _load_rows(V + v_off + hk * stride_vh, V, 0, 0, offs_n, offs_d, stride_vn, sk,
+        v = load_rows(V + v_off + hk * stride_vh, V, 0, 0, offs_n, offs_d, stride_vn, sk,
                        HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
 
         # Query rows that see this KV tile: [m_lo, m_hi); fully visible query tiles: [fs, fe).
@@ -292,7 +288,7 @@ def _dkdv_program(
             )  # fmt: skip
 
         if SLICE:
-            ws_offs = _ws_offsets(slot, 0, BLOCK_N, BLOCK_D, BLOCK_D)[0]
+            ws_offs = tail_ws_offsets(slot, 0, BLOCK_N, BLOCK_D, BLOCK_D)[0]
             if DO_DK:
                 tl.store(DK_WS + ws_offs, dk)
             if DO_DV:
@@ -388,21 +384,21 @@ def _dq_tiles(
     for n0 in range(lo, hi, BLOCK_N):
         n0 = tl.multiple_of(n0, BLOCK_N)
         offs_n = n0 + offs_n0
-        k = _load_rows(k_ptr, desc_k, k_row0 + n0, kv_col, offs_n, offs_d, stride_kn, sk,
+        k = load_rows(k_ptr, desc_k, k_row0 + n0, kv_col, offs_n, offs_d, stride_kn, sk,
                        HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # fmt: skip
-        v = _load_rows(v_ptr, desc_v, k_row0 + n0, kv_col, offs_n, offs_d, stride_vn, sk,
+        v = load_rows(v_ptr, desc_v, k_row0 + n0, kv_col, offs_n, offs_d, stride_vn, sk,
                        HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # fmt: skip
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        s, t = _scores(qk, offs_m[:, None], offs_n[None, :], off, qk_scale, cap_in, cap_out, slope2,
+        s, t = attn_scores(qk, offs_m[:, None], offs_n[None, :], off, qk_scale, cap_in, cap_out, slope2,
                        SOFTCAP, HAS_ALIBI)  # fmt: skip
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
-            vis = _visible(offs_m[:, None], offs_n[None, :], off, sq, sk, window_left, window_right,
+            vis = key_visible(offs_m[:, None], offs_n[None, :], off, sq, sk, window_left, window_right,
                            HAS_LEFT, HAS_RIGHT, True)  # fmt: skip
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         if DROPOUT:
-            keep = _keep(seed, rng_base, offs_m[:, None], offs_n[None, :], rng_sk, dropout_p)
+            keep = dropout_keep(seed, rng_base, offs_m[:, None], offs_n[None, :], rng_sk, dropout_p)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
@@ -433,21 +429,21 @@ def _dq_program(
     b = pid_bh // nheads
     h = pid_bh % nheads
     hk = h // group
-    q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
+    q_start, sq, k_start, sk = seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 < sq:
-        q_off = _row_off(q_start, b, stride_qm, stride_qb, VARLEN)
-        do_off = _row_off(q_start, b, stride_dom, stride_dob, VARLEN)
-        dq_off = _row_off(q_start, b, stride_dqm, stride_dqb, VARLEN)
-        l_off = _row_off(q_start, b, 1, stride_lb, VARLEN)
-        k_off = _row_off(k_start, b, stride_kn, stride_kb, VARLEN)
-        v_off = _row_off(k_start, b, stride_vn, stride_vb, VARLEN)
+        q_off = row_offset(q_start, b, stride_qm, stride_qb, VARLEN)
+        do_off = row_offset(q_start, b, stride_dom, stride_dob, VARLEN)
+        dq_off = row_offset(q_start, b, stride_dqm, stride_dqb, VARLEN)
+        l_off = row_offset(q_start, b, 1, stride_lb, VARLEN)
+        k_off = row_offset(k_start, b, stride_kn, stride_kb, VARLEN)
+        v_off = row_offset(k_start, b, stride_vn, stride_vb, VARLEN)
         off = sk - sq
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        q = _load_rows(Q + q_off + h * stride_qh, Q, 0, 0, offs_m, offs_d, stride_qm, sq,
+        q = load_rows(Q + q_off + h * stride_qh, Q, 0, 0, offs_m, offs_d, stride_qm, sq,
                        HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
-        do = _load_rows(DO + do_off + h * stride_doh, DO, 0, 0, offs_m, offs_d, stride_dom, sq,
+        do = load_rows(DO + do_off + h * stride_doh, DO, 0, 0, offs_m, offs_d, stride_dom, sq,
                         HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
         row_ok = offs_m < sq
         lse2 = tl.load(LSE + l_off + h * stride_lh + offs_m, mask=row_ok, other=0.0) * LOG2E
@@ -459,7 +455,7 @@ def _dq_program(
             slope2 = tl.load(ALIBI + b * stride_ab + h).to(tl.float32) * LOG2E
         rng_base = (b * nheads + h).to(tl.int64) * seqlen_q
 
-        lo, fs, fe, hi = _key_range(
+        lo, fs, fe, hi = key_range(
             m0, sk, off, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
         )
         if SLICE:
@@ -496,7 +492,7 @@ def _dq_program(
         )  # fmt: skip
         dq = dq * sm_scale
         if SLICE:
-            tl.store(DQ_WS + _ws_offsets(slot, 0, BLOCK_M, BLOCK_D, BLOCK_D)[0], dq)
+            tl.store(DQ_WS + tail_ws_offsets(slot, 0, BLOCK_M, BLOCK_D, BLOCK_D)[0], dq)
         else:
             dq_ptrs = DQ + dq_off + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
             tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
@@ -643,7 +639,7 @@ def _tail_sum_kernel(
     n_pieces = ((t + 1) * steps - 1) // piece_len - (t * steps) // piece_len + 1
     acc = tl.zeros([BLOCK_R, COLS], dtype=tl.float32)
     for p in range(n_pieces):
-        acc += tl.load(WS + _ws_offsets(t * max_pieces + p, col0, BLOCK_R, BLOCK_D, COLS)[0])
+        acc += tl.load(WS + tail_ws_offsets(t * max_pieces + p, col0, BLOCK_R, BLOCK_D, COLS)[0])
     offs_r = r0 + tl.arange(0, BLOCK_R)
     offs_d = col0 + tl.arange(0, COLS)
     ptrs = OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_r[:, None] * stride_or + offs_d[None, :]
@@ -652,19 +648,13 @@ def _tail_sum_kernel(
     )
 
 
-# Compiled launches of the four backward kernels by launch key (see flashpage.ops.launch_cache), and
-# the positions of each kernel's per-call arguments: its tensor / descriptor arguments, the LSE
+# Compiled launches live on each kernel (kernel_launches, see flashpage.ops.launch_cache); the positions of each kernel's per-call arguments: its tensor / descriptor arguments, the LSE
 # strides, seqlen_q, seqlen_k (the fused kernel: also its two tile counts) and the dropout seed.
-_PRE_LAUNCHES = LaunchCache(_bwd_preprocess_kernel)
-_DKDV_LAUNCHES = LaunchCache(_bwd_dkdv_kernel)
-_FUSED_LAUNCHES = LaunchCache(_bwd_fused_kernel)
-_DQ_LAUNCHES = LaunchCache(_bwd_dq_kernel)
 _PRE_SLOTS = (0, 1, 2, 3, 10, 11, 13)
 # (dK/dV and dQ: then the tail split's workspaces and numbers)
 _DKDV_SLOTS = (*range(15), 36, 37, 41, 42, *range(51, 58))
 _FUSED_SLOTS = (*range(16), 37, 38, 42, 43, 44, 45, 54)
 _DQ_SLOTS = (*range(12), 27, 28, 32, 33, *range(42, 48))
-_SUM_LAUNCHES = LaunchCache(_tail_sum_kernel)
 _SUM_SLOTS = (0, 1, 6, 7, 8, 9, 10)
 
 
@@ -704,7 +694,7 @@ def _launch_bwd(
                 prob.nheads, sq]  # fmt: skip
         return args, {"HEAD_DIM": d, "BLOCK_D": prob.block_d, "BLOCK_M": pre_bm, "VARLEN": vl, "num_warps": 4}
 
-    _PRE_LAUNCHES.launch(
+    kernel_launches(_bwd_preprocess_kernel).launch(
         pre_key, (cdiv(sq, pre_bm), prob.batch * prob.nheads), _PRE_SLOTS,
         (out, dout, delta, cq, stride_lb, stride_lh, sq), build_pre,
     )  # fmt: skip
@@ -793,7 +783,7 @@ def _launch_bwd(
                 }  # fmt: skip
                 return args, kwargs
 
-            _FUSED_LAUNCHES.launch(
+            kernel_launches(_bwd_fused_kernel).launch(
                 (*key, do_dv, int_spec(n_kv_tiles), int_spec(n_q_tiles)),
                 (n_kv_tiles + prob.group * n_q_tiles, prob.batch * prob.nheads_k), _FUSED_SLOTS,
                 (q, k, v, dout, lse, delta, dk, dv, dq, alibi, cq, ck, desc_q, desc_do, desc_k, desc_v,
@@ -835,12 +825,12 @@ def _launch_bwd(
         split = None
         if split_ok:
             split = plan_split_launch(
-                _DKDV_LAUNCHES, (*key, do_dk, do_dv, True), _DKDV_SLOTS, dkdv_placeholder,
+                kernel_launches(_bwd_dkdv_kernel), (*key, do_dk, do_dv, True), _DKDV_SLOTS, dkdv_placeholder,
                 n_kv_tiles * prob.batch * prob.nheads_k, prob.group * cdiv(sq, cfg.block_m1), resident, q.device,
             )  # fmt: skip
         if split is None:
             vals = dkdv_values(None, lse, lse)
-            _DKDV_LAUNCHES.launch(
+            kernel_launches(_bwd_dkdv_kernel).launch(
                 (*key, do_dk, do_dv, False), grid1, _DKDV_SLOTS, vals, dkdv_builder(vals, False)
             )
             continue
@@ -848,7 +838,7 @@ def _launch_bwd(
         dk_ws = lse.new_empty((n_slots, cfg.block_n1, prob.block_d)) if do_dk else lse
         dv_ws = lse.new_empty((n_slots, cfg.block_n1, prob.block_d)) if do_dv else lse
         vals = dkdv_values(split, dk_ws, dv_ws)
-        _DKDV_LAUNCHES.launch(
+        kernel_launches(_bwd_dkdv_kernel).launch(
             (*key, do_dk, do_dv, True),
             (split.n_main + split.n_tail,),
             _DKDV_SLOTS,
@@ -892,20 +882,20 @@ def _launch_bwd(
     split = None
     if split_ok:
         split = plan_split_launch(
-            _DQ_LAUNCHES, (*key, True), _DQ_SLOTS, dq_placeholder, n_q2 * prob.batch * prob.nheads,
+            kernel_launches(_bwd_dq_kernel), (*key, True), _DQ_SLOTS, dq_placeholder, n_q2 * prob.batch * prob.nheads,
             cdiv(sk, cfg.block_n2), resident, q.device,
         )  # fmt: skip
     if split is not None:
         dq_ws = lse.new_empty((split.tail_tiles * split.max_pieces, cfg.block_m2, prob.block_d))
         vals = dq_values(split, dq_ws)
-        _DQ_LAUNCHES.launch(
+        kernel_launches(_bwd_dq_kernel).launch(
             (*key, True), (split.n_main + split.n_tail,), _DQ_SLOTS, vals, dq_builder(vals, True)
         )
         _sum_tail(split, dq_ws, dq, prob.nheads, sq, cfg.block_m2, prob)
         return
 
     vals = dq_values(None, lse)
-    _DQ_LAUNCHES.launch(
+    kernel_launches(_bwd_dq_kernel).launch(
         (*key, False), (n_q2, prob.batch * prob.nheads), _DQ_SLOTS, vals, dq_builder(vals, False)
     )
 
@@ -936,7 +926,9 @@ def _sum_tail(
 
     key = (nheads, rows, prob.head_dim, grad.dtype, grad.device.index, grad.stride(), aligned(ws, grad))
     values = (ws, grad, seqlen, split.n_main, split.steps, split.piece_len, split.max_pieces)
-    _SUM_LAUNCHES.launch(key, (split.tail_tiles, prob.block_d // cols), _SUM_SLOTS, values, build)
+    kernel_launches(_tail_sum_kernel).launch(
+        key, (split.tail_tiles, prob.block_d // cols), _SUM_SLOTS, values, build
+    )
 
 
 def flash_bwd(

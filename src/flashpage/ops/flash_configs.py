@@ -23,15 +23,13 @@ uses small tiles.
 from __future__ import annotations
 
 import functools
-import importlib
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
-from flashpage.ops.backend import interpreter_enabled
+from flashpage.ops.utils import gpu_family, tma_supported, ws_supported
 
 __all__ = [
     "BwdConfig",
@@ -41,11 +39,8 @@ __all__ = [
     "bwd_config",
     "fwd_candidates",
     "fwd_config",
-    "gpu_family",
     "padded_head_dim",
     "table_lookup",
-    "tma_supported",
-    "triton_version",
     "tuned_configs",
 ]
 
@@ -272,77 +267,6 @@ def padded_head_dim(head_dim: int) -> int:
 def autotune_enabled() -> bool:
     """``FLASHPAGE_AUTOTUNE=1`` (read at every call) asks for per-shape autotuning on CUDA."""
     return os.environ.get("FLASHPAGE_AUTOTUNE", "0") not in ("", "0")
-
-
-def gpu_family(device: torch.device) -> str:
-    """``"interpreter"``, ``"hopper"`` (sm_90), ``"ampere"`` (sm_8x), ``"blackwell"`` or ``"other"``."""
-    if device.type != "cuda":
-        return "interpreter"
-    major, _ = cuda_capability(device)
-    return {8: "ampere", 9: "hopper", 10: "blackwell", 12: "blackwell"}.get(major, "other")
-
-
-def cuda_capability(device: torch.device) -> tuple[int, int]:
-    """Compute capability of a CUDA device (cached: a query costs microseconds of host time and
-    the config lookups of every eager attention call ask several times)."""
-    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _capability_of(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-@functools.cache
-def triton_version() -> tuple[int, int]:
-    """The installed triton's (major, minor) release."""
-    import triton
-
-    match = re.match(r"(\d+)\.(\d+)", triton.__version__)
-    return (int(match[1]), int(match[2])) if match else (0, 0)
-
-
-@functools.cache
-def _triton_has(module: str, *names: str) -> bool:
-    """Whether this triton provides ``names`` in ``module`` (an optional feature of some releases)."""
-    try:
-        mod = importlib.import_module(module)
-    except ImportError:
-        return False
-    return all(hasattr(mod, name) for name in names)
-
-
-def tma_supported(device: torch.device) -> bool:
-    """Host-side TMA descriptors can be used: triton has them and the GPU is sm_90+ (or interpreter)."""
-    if not _triton_has("triton.tools.tensor_descriptor", "TensorDescriptor"):
-        return False
-    if device.type != "cuda":
-        return interpreter_enabled()
-    return cuda_capability(device)[0] >= 9
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch can be used: a CUDA sm_90+ GPU and a triton with the grid
-    dependency control ops (``griddepcontrol`` does not exist below sm_90; never the interpreter)."""
-    return (
-        device.type == "cuda"
-        and _triton_has("triton.language.extra.cuda", "gdc_launch_dependents", "gdc_wait")
-        and cuda_capability(device)[0] >= 9
-    )
-
-
-def ws_supported(device: torch.device) -> bool:
-    """The Gluon warp-specialized forward (``flash_fwd_ws``) can run: a CUDA sm_90 GPU and a triton
-    with Gluon's Hopper ops and ``warp_specialize`` (3.6 and 3.9 have them; never the interpreter)."""
-    return (
-        device.type == "cuda"
-        and not interpreter_enabled()
-        and cuda_capability(device)[0] == 9
-        and _triton_has("triton.experimental.gluon.language", "warp_specialize")
-        and _triton_has(
-            "triton.experimental.gluon.language.nvidia.hopper", "warpgroup_mma", "warpgroup_mma_wait"
-        )
-    )
 
 
 def fwd_config(

@@ -16,8 +16,7 @@ side of the loop into three parts: ``[lo, fs)`` tiles crossing the window's left
 ``[fs, fe)`` tiles every row sees entirely (the hot loop: no mask arithmetic, no bounds checks) and
 ``[fe, hi)`` the diagonal / right-window / sequence-end tiles (masked). Tiles wholly outside the
 window are never visited. With causal masking the programs start with the heaviest (last) row tiles
-of each head (not of all heads at once: that order read 3-36% slower on the H200, 2026-12-03, the
-heads' K/V no longer shared in L2 by the programs running together). Padded unmasked problems
+of each head (not of all heads at once: the programs running together then share no K/V in L2). Padded unmasked problems
 whose row tiles end in a partial wave split that wave's key ranges over all SMs (:class:`TailSplit`).
 
 Masked rows: a query row with no visible key keeps ``m = -inf`` and ``l = 0``; it outputs zeros and
@@ -48,6 +47,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from flashpage.ops.attn_math import (
+    LN2,
+    LOG2E,
+    attn_scores,
+    dropout_keep,
+    key_range,
+    key_visible,
+    load_rows,
+    row_offset,
+    seq_bounds,
+    tail_ws_offsets,
+)
 from flashpage.ops.backend import interpreter_enabled
 from flashpage.ops.flash_configs import (
     BwdConfig,
@@ -57,18 +68,9 @@ from flashpage.ops.flash_configs import (
     fwd_candidates,
     fwd_config,
     padded_head_dim,
-    tma_supported,
-    ws_supported,
 )
-from flashpage.ops.launch_cache import (
-    KERNEL_OPTIONS,
-    LaunchCache,
-    Memo,
-    aligned,
-    cdiv,
-    int_spec,
-    programs_per_sm,
-)
+from flashpage.ops.launch_cache import KERNEL_OPTIONS, LaunchCache, Memo, aligned, int_spec, kernel_launches
+from flashpage.ops.utils import cdiv, programs_per_sm, tma_supported, ws_supported
 
 __all__ = [
     "AttnProblem",
@@ -83,129 +85,8 @@ __all__ = [
     "ws_applies",
 ]
 
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
-
-
-# ----------------------------------------------------------------------------------------------
-# Shared jit helpers (also used by the backward kernels in flash_bwd.py)
-# ----------------------------------------------------------------------------------------------
-@triton.jit
-def _tanh(x):
-    """tanh via exp2: 1 - 2 / (exp(2x) + 1); exp2 overflow (inf) gives exactly +-1."""
-    e = tl.math.exp2(x * 2.8853900817779268)  # 2 * log2(e)
-    return 1.0 - 2.0 / (e + 1.0)
-
-
-@triton.jit
-def _scores(
-    qk, qi, kj, off, qk_scale, cap_in, cap_out, slope2, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr
-):
-    """Base-2 scores from raw dot products ``qk``; ``qi``/``kj`` broadcast to qk's shape (either
-    orientation). Returns ``(s, t)``: ``t = tanh(...)`` of the softcap (for its derivative), else qk."""
-    if SOFTCAP:
-        t = _tanh(qk * cap_in)  # cap_in = softmax_scale / softcap
-        s = t * cap_out  # cap_out = softcap * log2(e)
-    else:
-        t = qk
-        s = qk * qk_scale  # qk_scale = softmax_scale * log2(e)
-    if HAS_ALIBI:
-        s = s - slope2 * tl.abs((qi + off - kj).to(tl.float32))
-    return s, t
-
-
-@triton.jit
-def _visible(qi, kj, off, sq, sk, window_left, window_right,
-             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, CHECK_Q: tl.constexpr):  # fmt: skip
-    """True where query ``qi`` may attend key ``kj`` (bottom-right aligned, ``off = sk - sq``)."""
-    vis = kj < sk
-    if CHECK_Q:
-        vis = vis & (qi < sq)
-    if HAS_RIGHT:
-        vis = vis & (kj <= qi + off + window_right)
-    if HAS_LEFT:
-        vis = vis & (kj >= qi + off - window_left)
-    return vis
-
-
-@triton.jit
-def _keep(seed, rng_base, qi, kj, rng_sk, dropout_p):
-    """Dropout keep mask of elements (qi, kj) of one (batch, head): tiling-independent philox."""
-    idx = (rng_base + qi.to(tl.int64)) * rng_sk + kj
-    return tl.rand(seed, idx) >= dropout_p
-
-
-@triton.jit
-def _load_rows(ptr, desc, row, col, offs_r, offs_d, stride_r, r_lim,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_R: tl.constexpr, USE_TMA: tl.constexpr):  # fmt: skip
-    """A ``(len(offs_r), BLOCK_D)`` tile: TMA ``desc.load([row, col])`` or a (masked) pointer load of
-    ``ptr + offs_r * stride_r + offs_d``. Out-of-range rows / padded columns read as zero."""
-    if USE_TMA:
-        x = desc.load([row, col])
-    else:
-        ptrs = ptr + offs_r[:, None] * stride_r + offs_d[None, :]
-        if MASK_R:
-            if HEAD_DIM == BLOCK_D:
-                x = tl.load(ptrs, mask=offs_r[:, None] < r_lim, other=0.0)
-            else:
-                x = tl.load(ptrs, mask=(offs_r[:, None] < r_lim) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-        else:
-            if HEAD_DIM == BLOCK_D:
-                x = tl.load(ptrs)
-            else:
-                x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    return x
-
-
-@triton.jit
-def _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
-    """(first row of the sequence in the row-flattened tensor, its length) for q and k."""
-    if VARLEN:
-        q_start = tl.load(CU_Q + b)
-        sq = tl.load(CU_Q + b + 1) - q_start
-        k_start = tl.load(CU_K + b)
-        sk = tl.load(CU_K + b + 1) - k_start
-    else:
-        q_start = b * seqlen_q
-        sq = seqlen_q
-        k_start = b * seqlen_k
-        sk = seqlen_k
-    return q_start, sq, k_start, sk
-
-
-@triton.jit
-def _row_off(start, b, stride_row, stride_batch, VARLEN: tl.constexpr):
-    """int64 element offset of a sequence's first row: varlen ``start * stride_row`` (packed rows),
-    padded batches ``b * stride_batch``."""
-    if VARLEN:
-        off = start.to(tl.int64) * stride_row
-    else:
-        off = b.to(tl.int64) * stride_batch
-    return off
-
-
-@triton.jit
-def _key_range(m0, sk, off, window_left, window_right,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):  # fmt: skip
-    """Key tiles of the query tile at row ``m0``: ``(lo, fs, fe, hi)``, the visible range ``[lo, hi)``
-    (bottom-right aligned causal / sliding window) and its mask-free middle ``[fs, fe)``, all in
-    multiples of ``BLOCK_N`` except ``hi``."""
-    lo = 0
-    hi = sk
-    if HAS_RIGHT:
-        hi = tl.minimum(sk, m0 + BLOCK_M + off + window_right)
-    if HAS_LEFT:
-        lo = (tl.maximum(m0 + off - window_left, 0) // BLOCK_N) * BLOCK_N
-    fs = lo
-    if HAS_LEFT:
-        fs = tl.maximum(lo, tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 + off - window_left, 0), BLOCK_N) * BLOCK_N)
-    fe_raw = sk
-    if HAS_RIGHT:
-        fe_raw = tl.minimum(sk, m0 + off + window_right + 1)
-    fe = (tl.maximum(fe_raw, 0) // BLOCK_N) * BLOCK_N
-    return lo, fs, fe, hi
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,13 +107,13 @@ def _fwd_tiles(
     for n0 in range(lo, hi, BLOCK_N):
         n0 = tl.multiple_of(n0, BLOCK_N)
         offs_n = n0 + offs_n0
-        k = _load_rows(k_ptr, desc_k, k_row0 + n0, kv_col, offs_n, offs_d, stride_kn, sk,
+        k = load_rows(k_ptr, desc_k, k_row0 + n0, kv_col, offs_n, offs_d, stride_kn, sk,
                        HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # fmt: skip
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         if MASKED:
-            s, _t = _scores(qk, offs_m[:, None], offs_n[None, :], off, qk_scale, cap_in, cap_out, slope2,
+            s, _t = attn_scores(qk, offs_m[:, None], offs_n[None, :], off, qk_scale, cap_in, cap_out, slope2,
                             SOFTCAP, HAS_ALIBI)  # fmt: skip
-            vis = _visible(offs_m[:, None], offs_n[None, :], off, sq, sk, window_left, window_right,
+            vis = key_visible(offs_m[:, None], offs_n[None, :], off, sq, sk, window_left, window_right,
                            HAS_LEFT, HAS_RIGHT, False)  # fmt: skip
             s = tl.where(vis, s, float("-inf"))
             m_ij = tl.maximum(m_i, tl.max(s, 1))
@@ -245,7 +126,7 @@ def _fwd_tiles(
             m_use = m_ij
             p = tl.math.exp2(qk * qk_scale - m_use[:, None])
         else:
-            s, _t = _scores(qk, offs_m[:, None], offs_n[None, :], off, qk_scale, cap_in, cap_out, slope2,
+            s, _t = attn_scores(qk, offs_m[:, None], offs_n[None, :], off, qk_scale, cap_in, cap_out, slope2,
                             SOFTCAP, HAS_ALIBI)  # fmt: skip
             m_ij = tl.maximum(m_i, tl.max(s, 1))
             m_use = m_ij
@@ -253,10 +134,10 @@ def _fwd_tiles(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_rows(v_ptr, desc_v, k_row0 + n0, kv_col, offs_n, offs_d, stride_vn, sk,
+        v = load_rows(v_ptr, desc_v, k_row0 + n0, kv_col, offs_n, offs_d, stride_vn, sk,
                        HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # fmt: skip
         if DROPOUT:
-            keep = _keep(seed, rng_base, offs_m[:, None], offs_n[None, :], rng_sk, dropout_p)
+            keep = dropout_keep(seed, rng_base, offs_m[:, None], offs_n[None, :], rng_sk, dropout_p)
             p = tl.where(keep, p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         m_i = m_ij
@@ -281,14 +162,14 @@ def _fwd_rows(
     row max (``-inf`` for rows that saw no key), ``l`` the row sum of ``exp2(s - m)``.
     ``KEY_SLICE=False``: the whole visible range (``n_lo`` / ``n_hi`` unused)."""
     hk = h // group
-    q_ptr = Q + _row_off(q_start, b, stride_qm, stride_qb, VARLEN) + h * stride_qh
-    k_ptr = K + _row_off(k_start, b, stride_kn, stride_kb, VARLEN) + hk * stride_kh
-    v_ptr = V + _row_off(k_start, b, stride_vn, stride_vb, VARLEN) + hk * stride_vh
+    q_ptr = Q + row_offset(q_start, b, stride_qm, stride_qb, VARLEN) + h * stride_qh
+    k_ptr = K + row_offset(k_start, b, stride_kn, stride_kb, VARLEN) + hk * stride_kh
+    v_ptr = V + row_offset(k_start, b, stride_vn, stride_vb, VARLEN) + hk * stride_vh
     off = sk - sq  # query i sits at key position i + off (bottom-right alignment)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(q_ptr, desc_q, q_start + m0, h * HEAD_DIM, offs_m, offs_d, stride_qm, sq,
+    q = load_rows(q_ptr, desc_q, q_start + m0, h * HEAD_DIM, offs_m, offs_d, stride_qm, sq,
                    HEAD_DIM, BLOCK_D, True, USE_TMA)  # fmt: skip
 
     slope2 = 0.0
@@ -297,7 +178,7 @@ def _fwd_rows(
     rng_base = (b * nheads + h).to(tl.int64) * seqlen_q
 
     # Visible key range [lo, hi) of this row tile and its mask-free middle [fs, fe), cut to [n_lo, n_hi).
-    lo, fs, fe, hi = _key_range(m0, sk, off, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, fs, fe, hi = key_range(m0, sk, off, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if KEY_SLICE:  # a constexpr: the clamps cost the whole-tile loops ~30 registers (sm_90, triton 3.6)
         lo = tl.maximum(lo, n_lo)
         fs = tl.maximum(fs, n_lo)
@@ -359,17 +240,6 @@ def _tile_coords(tile, n_m, nheads):
     return tile - pid_bh * n_m, pid_bh // nheads, pid_bh % nheads
 
 
-@triton.jit
-def _ws_offsets(slot, col0, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, COLS: tl.constexpr):
-    """Element offsets of a tail workspace slot: ``acc (BLOCK_M, BLOCK_D)`` (its columns ``[col0,
-    col0 + COLS)``) and ``m``, ``l`` (``(2, BLOCK_M)``: row max, then row sum)."""
-    offs_r = tl.arange(0, BLOCK_M)
-    offs_d = col0 + tl.arange(0, COLS)
-    acc_offs = slot.to(tl.int64) * (BLOCK_M * BLOCK_D) + offs_r[:, None] * BLOCK_D + offs_d[None, :]
-    m_offs = slot.to(tl.int64) * (2 * BLOCK_M) + offs_r
-    return acc_offs, m_offs, m_offs + BLOCK_M
-
-
 # Per-step lengths are not specialised on (divisibility by 16, == 1): varying max_seqlen values in
 # the engine would otherwise compile a new variant of this large kernel mid-run; nor are the tail
 # split's numbers, so the kernel compiled to learn its occupancy is the one every split runs.
@@ -413,7 +283,7 @@ def _attn_fwd_kernel(
                     DROPOUT, USE_TMA, PLAIN_SCORES, DOT_PREC, True,
                 )  # fmt: skip
                 slot = t * max_pieces + j - t0 // piece_len
-                acc_offs, m_offs, l_offs = _ws_offsets(slot, 0, BLOCK_M, BLOCK_D, BLOCK_D)
+                acc_offs, m_offs, l_offs = tail_ws_offsets(slot, 0, BLOCK_M, BLOCK_D, BLOCK_D)
                 tl.store(ACC_WS + acc_offs, acc)
                 tl.store(ML_WS + m_offs, m_i)
                 tl.store(ML_WS + l_offs, l_i)
@@ -426,7 +296,7 @@ def _attn_fwd_kernel(
             pid_m = tl.num_programs(0) - 1 - pid_m
         b = pid_bh // nheads
         h = pid_bh % nheads
-    q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
+    q_start, sq, k_start, sk = seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= sq:
         return
@@ -439,8 +309,8 @@ def _attn_fwd_kernel(
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, VARLEN, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DROPOUT,
         USE_TMA, PLAIN_SCORES, DOT_PREC, False,
     )  # fmt: skip
-    o_base = O + _row_off(q_start, b, stride_om, stride_ob, VARLEN) + h * stride_oh
-    lse_base = LSE + _row_off(q_start, b, 1, stride_lb, VARLEN) + h * stride_lh
+    o_base = O + row_offset(q_start, b, stride_om, stride_ob, VARLEN) + h * stride_oh
+    lse_base = LSE + row_offset(q_start, b, 1, stride_lb, VARLEN) + h * stride_lh
     _store_rows(o_base, lse_base, acc, l_i, m_i, m0 + tl.arange(0, BLOCK_M), sq, stride_om, drop_scale, 0,
                 HEAD_DIM, BLOCK_D, DROPOUT)  # fmt: skip
 
@@ -461,13 +331,13 @@ def _fwd_tail_combine_kernel(
     n_pieces = ((t + 1) * kv_tiles - 1) // piece_len - (t * kv_tiles) // piece_len + 1
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for p in range(n_pieces):
-        _a, m_offs, _l = _ws_offsets(t * max_pieces + p, col0, BLOCK_M, BLOCK_D, COLS)
+        _a, m_offs, _l = tail_ws_offsets(t * max_pieces + p, col0, BLOCK_M, BLOCK_D, COLS)
         m_i = tl.maximum(m_i, tl.load(ML_WS + m_offs))
     m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
     acc = tl.zeros([BLOCK_M, COLS], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     for p in range(n_pieces):
-        acc_offs, m_offs, l_offs = _ws_offsets(t * max_pieces + p, col0, BLOCK_M, BLOCK_D, COLS)
+        acc_offs, m_offs, l_offs = tail_ws_offsets(t * max_pieces + p, col0, BLOCK_M, BLOCK_D, COLS)
         w = tl.math.exp2(tl.load(ML_WS + m_offs) - m_use)
         acc += tl.load(ACC_WS + acc_offs) * w[:, None]
         l_i += tl.load(ML_WS + l_offs) * w
@@ -497,31 +367,31 @@ def _attn_probs_kernel(
     b = pid_bh // nheads
     h = pid_bh % nheads
     hk = h // group
-    q_start, sq, k_start, sk = _seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
-    q_off = _row_off(q_start, b, stride_qm, stride_qb, VARLEN)
-    k_off = _row_off(k_start, b, stride_kn, stride_kb, VARLEN)
-    lse_off = _row_off(q_start, b, 1, stride_lb, VARLEN)
+    q_start, sq, k_start, sk = seq_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN)
+    q_off = row_offset(q_start, b, stride_qm, stride_qb, VARLEN)
+    k_off = row_offset(k_start, b, stride_kn, stride_kb, VARLEN)
+    lse_off = row_offset(q_start, b, 1, stride_lb, VARLEN)
     off = sk - sq
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(Q + q_off + h * stride_qh, Q, 0, 0, offs_m, offs_d, stride_qm, sq,
+    q = load_rows(Q + q_off + h * stride_qh, Q, 0, 0, offs_m, offs_d, stride_qm, sq,
                    HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
-    k = _load_rows(K + k_off + hk * stride_kh, K, 0, 0, offs_n, offs_d, stride_kn, sk,
+    k = load_rows(K + k_off + hk * stride_kh, K, 0, 0, offs_n, offs_d, stride_kn, sk,
                    HEAD_DIM, BLOCK_D, True, False)  # fmt: skip
     lse = tl.load(LSE + lse_off + h * stride_lh + offs_m, mask=offs_m < sq, other=0.0)
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(ALIBI + b * stride_ab + h).to(tl.float32) * LOG2E
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-    s, _t = _scores(qk, offs_m[:, None], offs_n[None, :], off, qk_scale, cap_in, cap_out, slope2,
+    s, _t = attn_scores(qk, offs_m[:, None], offs_n[None, :], off, qk_scale, cap_in, cap_out, slope2,
                     SOFTCAP, HAS_ALIBI)  # fmt: skip
-    vis = _visible(offs_m[:, None], offs_n[None, :], off, sq, sk, window_left, window_right,
+    vis = key_visible(offs_m[:, None], offs_n[None, :], off, sq, sk, window_left, window_right,
                    HAS_LEFT, HAS_RIGHT, True)  # fmt: skip
     p = tl.where(vis, tl.math.exp2(s - lse[:, None] * LOG2E), 0.0)
     if DROPOUT:
         rng_base = (b * nheads + h).to(tl.int64) * seqlen_q
-        keep = _keep(seed, rng_base, offs_m[:, None], offs_n[None, :], seqlen_k, dropout_p)
+        keep = dropout_keep(seed, rng_base, offs_m[:, None], offs_n[None, :], seqlen_k, dropout_p)
         p = tl.where(keep, p, -p)  # flash-attn convention: negative (sign bit) = dropped
     ptrs = P + b.to(tl.int64) * stride_pb + h * stride_ph + offs_m[:, None] * stride_pm + offs_n[None, :]
     tl.store(ptrs, p, mask=(offs_m[:, None] < sq) & (offs_n[None, :] < sk))
@@ -1039,10 +909,7 @@ def _tail_workspaces(
     return acc_ws, ml_ws
 
 
-# Compiled forward launches by launch key (like Triton's per-kernel compile cache, process-wide).
-_FWD_LAUNCHES = LaunchCache(_attn_fwd_kernel)
-_COMBINE_LAUNCHES = LaunchCache(_fwd_tail_combine_kernel)
-# Positions of the per-call arguments of ``_attn_fwd_kernel`` (LaunchCache slots): the thirteen
+# Compiled launches live on each kernel (kernel_launches). Positions of the per-call arguments of ``_attn_fwd_kernel`` (LaunchCache slots): the thirteen
 # tensor / descriptor arguments, the LSE strides, seqlen_q, seqlen_k, the dropout seed and the
 # tail split's numbers.
 _FWD_SLOTS = (*range(13), 25, 26, 30, 31, 39, 40, 41, 42, 43)
@@ -1128,18 +995,20 @@ def _launch_fwd(
     split = None
     if tail_split_applies(cfg, prob):
         split = plan_split_launch(
-            _FWD_LAUNCHES, (*key, True), _FWD_SLOTS, placeholder, n_m * prob.batch * prob.nheads,
+            kernel_launches(_attn_fwd_kernel), (*key, True), _FWD_SLOTS, placeholder, n_m * prob.batch * prob.nheads,
             cdiv(sk, cfg.block_n), resident, q.device,
         )  # fmt: skip
     if split is None:
         vals = values(None, lse, lse)
-        _FWD_LAUNCHES.launch(
+        kernel_launches(_attn_fwd_kernel).launch(
             (*key, False), (n_m, prob.batch * prob.nheads), _FWD_SLOTS, vals, builder(vals, False)
         )
         return
     acc_ws, ml_ws = _tail_workspaces(split, cfg.block_m, prob.block_d, q.device)
     vals = values(split, acc_ws, ml_ws)
-    _FWD_LAUNCHES.launch((*key, True), (split.n_main + split.n_tail,), _FWD_SLOTS, vals, builder(vals, True))
+    kernel_launches(_attn_fwd_kernel).launch(
+        (*key, True), (split.n_main + split.n_tail,), _FWD_SLOTS, vals, builder(vals, True)
+    )
     _launch_tail_combine(prob, out, lse, acc_ws, ml_ws, split, cfg.block_m)
 
 
@@ -1165,7 +1034,7 @@ def _launch_tail_combine(
 
     ckey = (prob.nheads, d, block_m, prob.dropout_p, out.dtype, out.device.index, out.stride(),
             aligned(out, lse), int_spec(stride_lb), int_spec(stride_lh))  # fmt: skip
-    _COMBINE_LAUNCHES.launch(
+    kernel_launches(_fwd_tail_combine_kernel).launch(
         ckey, (split.tail_tiles, prob.block_d // cols), _COMBINE_SLOTS, cvals, build_combine
     )
 

@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashpage.ops.launch_cache import KERNEL_OPTIONS, LaunchCache, aligned, int_specs
+from flashpage.ops.launch_cache import KERNEL_OPTIONS, aligned, int_specs, kernel_launches
 
 __all__ = [
     "WS_BLOCK_M",
@@ -410,7 +410,6 @@ def _descriptor(t: Tensor, rows: int, head_dim: int) -> TensorDescriptor:
 
 # Compiled launches by launch key (see launch_cache): the host cost of ``kernel[grid]`` (argument
 # binding, specialisation, four descriptors' checks) is most of a 1k-token forward's kernel time.
-_LAUNCHES = LaunchCache(_attn_fwd_ws_kernel)
 # Per-call arguments: the descriptors, the LSE / workspace tensors, the LSE strides, the batch-wide
 # sizes and the tail split's numbers.
 _SLOTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 15, 16, 17, 18)
@@ -460,7 +459,7 @@ def launch_ws_fwd(
         }  # fmt: skip
         return args, kwargs
 
-    _LAUNCHES.launch(key, (n_main + n_tail,), _SLOTS, values, build)
+    kernel_launches(_attn_fwd_ws_kernel).launch(key, (n_main + n_tail,), _SLOTS, values, build)
 
 
 def compile_ptx(

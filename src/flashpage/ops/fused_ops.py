@@ -24,7 +24,8 @@ import triton.language as tl
 from torch import Tensor
 
 from flashpage.ops.backend import interpreter_enabled
-from flashpage.ops.launch_cache import KERNEL_OPTIONS, cdiv, next_pow2
+from flashpage.ops.launch_cache import KERNEL_OPTIONS
+from flashpage.ops.utils import cdiv, next_pow2
 
 __all__ = ["rms_norm", "rope_qk", "silu_and_mul"]
 

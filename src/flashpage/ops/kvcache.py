@@ -41,14 +41,11 @@ from torch import Tensor
 from flashpage.ops.backend import resolve_backend
 from flashpage.ops.cache_write import FP8_E4M3_MAX, is_fp8_dtype, reshape_and_cache
 from flashpage.ops.flash_args import flash_attn_errors, window_pair
-from flashpage.ops.paged_decode import (
-    EAGER_LAUNCHES,
-    check_paged_cache,
-    check_paged_values,
-    resolve_launch,
-)
+from flashpage.ops.paged_launch import PagedProblem, check_paged_cache, check_paged_values, eager_launcher
+from flashpage.ops.paged_plan import choose_launch
 from flashpage.ops.paged_prefill import kv_attention_config
 from flashpage.ops.reference import attention_ref, gather_paged_kv
+from flashpage.ops.utils import default_num_sms
 
 __all__ = ["apply_rotary", "flash_attn_with_kvcache"]
 
@@ -308,9 +305,9 @@ def _cache_attention(
     nheads_k = k_cache.shape[2]
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
-    config, _, splits = resolve_launch(
+    choice = choose_launch(
         kv_attention_config(q, k_cache, seqlen_q, paged), num_splits, batch, seqlen_q, nheads, nheads_k,
-        k_cache.dtype, capacity, q.device,
+        k_cache.dtype, capacity, default_num_sms(q.device),
     )  # fmt: skip
     qp = q.reshape(batch * seqlen_q, nheads, d)
     out = torch.empty((batch * seqlen_q, nheads, d), dtype=q.dtype, device=q.device)
@@ -320,12 +317,13 @@ def _cache_attention(
         else None
     )
     if out.numel():
-        EAGER_LAUNCHES.launch(
-            qp, k_cache, v_cache, out, seqlens_k, max_seqlen_q=seqlen_q, block_table=block_table,
+        problem = PagedProblem(
+            qp, k_cache, v_cache, out, seqlens_k, seqlen_q, softmax_scale, block_table=block_table,
             cache_batch_idx=cache_batch_idx, kv_start=cache_leftpad, lse=lse.view(batch * seqlen_q, nheads).t() if lse is not None else None,
-            softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right), softcap=softcap,
-            alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale, num_splits=splits, config=config,
+            causal=causal, window_size=(window_left, window_right), softcap=softcap,
+            alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
+        eager_launcher().launch(problem, choice.config, choice.num_splits)
     out = out.view(batch, seqlen_q, nheads, d)
     if lse is None:
         return out, q.new_empty((0,), dtype=torch.float32)

@@ -2,11 +2,8 @@
 
 ``kernel[grid](*args, **kwargs)`` re-derives everything on each call: Triton binds the ~50
 arguments of our attention kernels, specialises each (dtype, 16-byte alignment, ``== 1``,
-multiple of 16), builds a cache key string, reads its knobs and only then launches. On the H200
-machine's CPU that is ~80 us for the forward kernel with TMA descriptors (measured 2026-12-03:
-binder 13 us, key 2 us, the launch itself 15 us, the rest Python around it), against 28 us for a
-whole SDPA call, and a 1k-token eager forward's kernel runs 0.2 ms: the host cost decides whether
-the GPU waits.
+multiple of 16), builds a cache key string, reads its knobs and only then launches: tens of
+microseconds of host time, as long as a short kernel (figures: docs/perf-notes.md).
 
 A :class:`LaunchCache` remembers per *launch key* (computed by the caller from what it already
 knows: the validated problem, the tile config, dtypes, strides, pointer alignment) the compiled
@@ -39,7 +36,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-import torch
 from torch import Tensor
 
 __all__ = [
@@ -48,11 +44,9 @@ __all__ = [
     "LaunchCache",
     "Memo",
     "aligned",
-    "cdiv",
     "int_spec",
     "int_specs",
-    "next_pow2",
-    "programs_per_sm",
+    "kernel_launches",
 ]
 
 #: Compile options every flashpage kernel launch passes (``kernel[grid](..., **KERNEL_OPTIONS)``;
@@ -64,18 +58,6 @@ KERNEL_OPTIONS: Mapping[str, Any] = MappingProxyType({"enable_fp_fusion": True})
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31
 _I64_MAX = 2**63
-
-
-def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for host ints. Launchers use this, not ``triton.cdiv``: in triton 3.9 that is
-    a ``ConstexprFunction`` whose host call costs ~3.6 us (argument unwrapping), on every launch."""
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    """Smallest power of two >= ``n`` (1 for ``n <= 1``); the host-side ``triton.next_power_of_2``
-    (a ``ConstexprFunction`` in triton 3.6 and 3.9, ~3.6 us per host call)."""
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def int_spec(x: int) -> int:
@@ -213,7 +195,8 @@ class LaunchCache:
         """Launch the kernel on ``grid``.
 
         Args:
-            key: the launch key (module doc); ``None`` disables the memo for this call.
+            key: the launch key (module doc); ``None`` disables the memo for this call (a caller
+                that keeps the returned :class:`BoundLaunch` itself).
             slots: positions in ``build()``'s positional arguments of the per-call values.
             values: those values, in ``slots`` order (``values[i]`` is argument ``slots[i]``).
             build: returns ``(args, kwargs)`` exactly as for ``kernel[grid](*args, **kwargs)``;
@@ -231,11 +214,13 @@ class LaunchCache:
         args, kwargs = build()
         options = {**KERNEL_OPTIONS, **kwargs}
         kernel = self.fn[grid](*args, **options)
-        if key is not None:
-            self._remember(key, kernel, args, kwargs, slots, values)
+        if key is None and bind is None:
+            return None
+        plan = self._plan_of(kernel, args, kwargs, slots, values)
+        if plan is not None and key is not None:
+            self._store(key, plan)
         if bind is None:
             return None
-        plan = self._plans.get(key) if key is not None else None
         if plan is not None:
             return BoundLaunch(*self._replay(plan, grid, values), bind)
         return BoundLaunch(functools.partial(self.fn[grid], **options), args, bind)
@@ -281,11 +266,29 @@ class LaunchCache:
         slots: tuple[int, ...],
         values: Sequence[Any],
     ) -> None:
+        plan = self._plan_of(kernel, args, kwargs, slots, values)
+        if plan is not None:
+            self._store(key, plan)
+
+    def _store(self, key: Hashable, plan: _Plan) -> None:
+        if len(self._plans) >= self.max_plans:
+            self._plans.clear()
+        self._plans[key] = plan
+
+    def _plan_of(
+        self,
+        kernel: Any,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        slots: tuple[int, ...],
+        values: Sequence[Any],
+    ) -> _Plan | None:
+        """The replayable launch of a compiled ``kernel`` (``None`` under the interpreter, or when a
+        parameter has neither an argument nor a default)."""
         template = self._template(args, kwargs, slots, values)
         if kernel is not None and hasattr(kernel, "packed_metadata") and template is not None:
-            if len(self._plans) >= self.max_plans:
-                self._plans.clear()
-            self._plans[key] = _Plan(kernel, template, slots)
+            return _Plan(kernel, template, slots)
+        return None
 
     def _template(
         self, args: list[Any], kwargs: dict[str, Any], slots: tuple[int, ...], values: Sequence[Any]
@@ -313,26 +316,11 @@ class LaunchCache:
         return template
 
 
-def programs_per_sm(kernel: Any, device: torch.device) -> int:
-    """How many programs of a compiled kernel one SM holds at once, from its shared memory,
-    registers and warps and the device's limits (CUDA's occupancy rules: 1 KB of shared memory
-    reserved per block, registers allocated per warp in units of 256). At least 1."""
-    props = torch.cuda.get_device_properties(device)
-    # Hopper's limits where this torch does not report them
-    threads = getattr(props, "max_threads_per_multi_processor", 2048)
-    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
-    regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
-    md = kernel.metadata
-    warps = int(md.num_warps)
-    limits = [max(1, threads // (32 * warps)), 32]
-    smem = int(md.shared)
-    if smem > 0:
-        limits.append(smem_sm // (smem + 1024))
-    regs = getattr(kernel, "n_regs", None)
-    if regs is None and hasattr(kernel, "_init_handles"):
-        kernel._init_handles()  # loads the module: sets n_regs
-        regs = getattr(kernel, "n_regs", None)
-    if regs:
-        per_warp = -(-int(regs) * 32 // 256) * 256
-        limits.append((regs_sm // per_warp) // warps)
-    return max(1, min(limits))
+def kernel_launches(kernel: Any) -> LaunchCache:
+    """The :class:`LaunchCache` of ``kernel``: kept on the kernel object itself, as Triton keeps its
+    compile cache there, and made on first use. Each kernel has one, shared by every call site."""
+    cache = getattr(kernel, "_flashpage_launches", None)
+    if cache is None:
+        cache = LaunchCache(kernel)
+        kernel._flashpage_launches = cache
+    return cache

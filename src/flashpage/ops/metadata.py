@@ -14,9 +14,31 @@ flat slot ``s`` is ``cache.view(-1, nheads_k, d)[s]``, i.e. block ``s // block_s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from flashpage.ops.paged_plan import DecodePlan
+
+
+@dataclass(frozen=True)
+class TorchStepIndices:
+    """Index tensors of the PyTorch attention path that depend only on the step's metadata.
+
+    Attributes:
+        block_size, window_left: what they were built for (a layer with others rebuilds them).
+        table: ``(B, nblk)`` int64 block ids.
+        seq, row: ``(T,)`` padded (sequence, query row) of each packed query.
+        mask: ``(B, max_q, max_k)`` bool: lengths, causal, left window.
+    """
+
+    block_size: int
+    window_left: int
+    table: Tensor
+    seq: Tensor
+    row: Tensor
+    mask: Tensor
 
 
 @dataclass
@@ -33,8 +55,13 @@ class AttentionMetadata:
         decode_only: every sequence has exactly one new token.
         prefix_free: no sequence has cached tokens before this step (``seqlens_k == q_len``), so
             attention can run on the new K/V directly (the flash varlen kernel).
-        num_splits: split-KV count for decode chosen by the roofline planner (0 = let the kernel
-            launcher decide).
+        num_splits: split-KV count for decode when no ``decode_plan`` is given (0 = the planner's
+            choice).
+        decode_plan: the step's decode plan (split count, heads per program, workspace and bound
+            launch), shared by every layer; the engine plans it once per decode step, the Triton
+            path plans it on the first layer when absent. Valid across CUDA-graph replays.
+        torch_indices: index tensors of the PyTorch path, built by its first layer; values of this
+            forward's tensors, so :meth:`begin_forward` drops them.
     """
 
     slot_mapping: Tensor
@@ -46,9 +73,13 @@ class AttentionMetadata:
     decode_only: bool = False
     prefix_free: bool = False
     num_splits: int = 0
-    # Memo of derived index tensors for one forward (the torch path builds them once, not once per
-    # layer); the model clears it at the start of every forward.
-    scratch: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    decode_plan: DecodePlan | None = field(default=None, repr=False, compare=False)
+    torch_indices: TorchStepIndices | None = field(default=None, repr=False, compare=False)
+
+    def begin_forward(self) -> None:
+        """Drop what was derived from tensor values (a replayed step reuses this object with new
+        buffer contents); the decode plan depends on shapes only and stays."""
+        self.torch_indices = None
 
     @property
     def num_seqs(self) -> int:

@@ -1,13 +1,12 @@
-"""Plan / run split for paged decode (as in FlashInfer).
+"""Plan / run split for paged decode (as in FlashInfer), and the one launch decision.
 
-:func:`plan_decode` runs on the host once per batch (per engine step, shared by every layer): it
-fixes the split-KV count (the roofline planner's choice unless overridden), the tile configuration,
-the grid, and allocates the split workspace. :func:`run_decode` then only launches kernels: it reads
-no device values (no ``.item()``, no host-side checks of tensor contents), so a step that calls it
-can be captured in a CUDA graph and replayed with new block tables and lengths in the same buffers.
-Its first call per tensor layout binds the launch (:class:`~flashpage.ops.paged_decode.PagedLaunch`);
-later calls with tensors laid out alike (the other layers, the next steps) only fill in the tensors
-and launch, which keeps eager decode's host time per call below the kernels' time on short launches.
+:func:`choose_launch` is the only place that decides how a paged attention launch is cut: the
+split-KV count and the KV heads per program (the roofline planner's rules). :func:`plan_decode`
+runs it on the host once per batch (an engine step, shared by every layer), and allocates the split
+workspace. :func:`run_decode` then only launches: it reads no device values, so a step that calls
+it can be captured in a CUDA graph and replayed with new block tables and lengths in the same
+buffers. A plan binds its launch on its first run; later runs with tensors laid out alike (the
+other layers, the next steps) only fill in the tensors.
 
 Typical use::
 
@@ -19,27 +18,119 @@ Typical use::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from flashpage.ops.cache_write import is_fp8_dtype
-from flashpage.ops.paged_decode import (
+from flashpage.ops.paged_launch import (
     PagedAttnConfig,
-    PagedLaunches,
+    PagedLaunch,
+    PagedLauncher,
+    PagedProblem,
+    PagedTiles,
     allocate_workspace,
     default_decode_config,
+    eager_launcher,
+    kv_heads_per_program,
     paged_grid,
-    resolve_launch,
+    paged_tiles,
+    with_heads,
 )
+from flashpage.ops.utils import cdiv, default_num_sms
+from flashpage.roofline.planner import choose_heads_per_program, choose_num_splits
 
-__all__ = ["DecodePlan", "plan_decode", "run_decode"]
+__all__ = ["MAX_SPLITS", "DecodePlan", "LaunchChoice", "choose_launch", "plan_decode", "run_decode"]
+
+MAX_SPLITS = 128
 
 
-# Bound launches one plan keeps: an engine step sees one tensor layout per plan (every layer's
-# cache shaped alike); a few more cover callers that alternate buffers.
-_MAX_BOUND = 16
+@dataclass(frozen=True)
+class LaunchChoice:
+    """How to launch one paged attention problem.
+
+    Attributes:
+        config: the tile config with its heads per program decided (never ``0``).
+        tiles: its launch geometry.
+        num_splits: split-KV count (1 = no split).
+    """
+
+    config: PagedAttnConfig
+    tiles: PagedTiles
+    num_splits: int
+
+
+@functools.lru_cache(maxsize=1024)
+def choose_launch(
+    config: PagedAttnConfig,
+    num_splits: int,
+    batch: int,
+    max_seqlen_q: int,
+    nheads: int,
+    nheads_k: int,
+    kv_dtype: torch.dtype,
+    seqlen_k: int,
+    num_sms: int,
+) -> LaunchChoice:
+    """The split count and heads per program of a launch: the one place both are decided.
+
+    ``config.heads_per_program == 0`` (auto) becomes the planner's
+    :func:`~flashpage.roofline.planner.choose_heads_per_program`, bounded by what fills 16 query
+    rows (:func:`~flashpage.ops.paged_launch.kv_heads_per_program`); with a given ``num_splits``
+    that bound itself. Several heads take ``config.wide_block_n`` tile columns where set, and then
+    the planner's split count fills one wave of two programs per SM; otherwise at least two programs
+    per SM. ``num_splits > 0`` is kept, never more than ``seqlen_k``'s tiles.
+
+    Args:
+        num_splits: ``0`` = the planner's choice, else ``1 .. MAX_SPLITS``.
+        batch, max_seqlen_q, nheads, nheads_k, kv_dtype: the problem.
+        seqlen_k: host-side bound on the keys per sequence (no device sync).
+        num_sms: streaming multiprocessors of the device.
+    Raises:
+        ValueError: ``num_splits`` out of range.
+
+    A pure function of hashable arguments, cached (a decode loop asks once per step or call).
+    """
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = planner), got {num_splits!r}")
+    cfg = config
+    one_wave_of = 0
+    if cfg.heads_per_program == 0:
+        most = kv_heads_per_program(cfg, max_seqlen_q, nheads // nheads_k, nheads_k, kv_dtype)
+        heads = most
+        if num_splits == 0 and most > 1:
+            widest = paged_tiles(
+                replace(cfg, heads_per_program=most), max_seqlen_q, nheads, nheads_k, kv_dtype
+            )
+            heads = choose_heads_per_program(
+                max(batch * widest.q_tiles, 1), nheads_k, most, max(seqlen_k, 1), num_sms
+            )
+        one_wave_of = 2 if heads > 1 and cfg.wide_block_n else 0
+        cfg = with_heads(cfg, heads)
+    tiles = paged_tiles(cfg, max_seqlen_q, nheads, nheads_k, kv_dtype)
+    splits = num_splits
+    if splits == 0:
+        # >= 2 programs per SM (or one wave of one_wave_of per SM), >= 256 keys per split.
+        splits = choose_num_splits(
+            max(batch * tiles.q_tiles, 1),
+            tiles.head_programs,
+            max(seqlen_k, 1),
+            num_sms,
+            one_wave_of=one_wave_of,
+        )
+    splits = max(1, min(splits, cdiv(max(seqlen_k, 1), tiles.tile_tokens)))
+    return LaunchChoice(cfg, tiles, splits)
+
+
+@dataclass
+class _BoundSlot:
+    """A plan's bound launch and the problem layout it was bound for."""
+
+    key: tuple[Any, ...] | None = None
+    launch: PagedLaunch | None = None
 
 
 @dataclass(frozen=True)
@@ -53,13 +144,10 @@ class DecodePlan:
         num_splits: split-KV count; ``> 1`` uses ``workspace`` and the combine kernel.
         config: kernel tile configuration, its ``heads_per_program`` decided (never ``0``).
         block_m: query rows per program (tokens x GQA group x KV heads per program).
-        grid: :func:`~flashpage.ops.paged_decode.paged_grid`, e.g. ``(nheads_k // heads, q_tiles *
-            num_splits, batch)`` for the decode default.
-        softmax_scale, causal, window_size, softcap: attention options baked into the plan.
-        workspace: split partial outputs, log2-sum-exps and the fused combine's arrival counters
-            (``None`` when ``num_splits == 1``).
-        launches: :func:`run_decode`'s bound launches (bound to ``workspace``) by the layout of
-            its tensors (filled by ``run_decode``; at most ``_MAX_BOUND`` kept).
+        grid: the kernel's grid, e.g. ``(nheads_k // heads, q_tiles * num_splits, batch)``.
+        softmax_scale, causal, window_size, softcap: attention options (a run may override the
+            scale, window and softcap).
+        workspace: split partial outputs and log2-sum-exps (``None`` when ``num_splits == 1``).
     """
 
     batch: int
@@ -78,11 +166,14 @@ class DecodePlan:
     causal: bool
     window_size: tuple[int, int]
     softcap: float
-    workspace: tuple[Tensor, Tensor, Tensor] | None
-    # Not an __init__ argument: dataclasses.replace() must not hand a plan another plan's launches.
-    launches: PagedLaunches = field(
-        default_factory=lambda: PagedLaunches(_MAX_BOUND), init=False, compare=False, repr=False
-    )
+    workspace: tuple[Tensor, Tensor] | None
+    # Not an __init__ argument: dataclasses.replace() must not hand a plan another plan's launch.
+    bound: _BoundSlot = field(default_factory=_BoundSlot, init=False, compare=False, repr=False)
+
+    @property
+    def heads_per_program(self) -> int:
+        """KV heads each program owns."""
+        return self.config.heads_per_program
 
 
 def plan_decode(
@@ -104,13 +195,17 @@ def plan_decode(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
 ) -> DecodePlan:
-    """Plan a paged decode batch on the host (once per step).
+    """Plan a paged decode batch on the host (once per step): :func:`choose_launch`, then the
+    split workspace.
 
     Args:
         max_seqlen_k: host bound on the keys per sequence (sizes the split count; for CUDA-graph
             capture use the largest length the graph will see).
-        num_splits: ``0`` = the roofline planner's choice for this batch, context and SM count.
-        config: tile configuration (default :func:`~flashpage.ops.paged_decode.default_decode_config`).
+        num_splits: ``0`` = the planner's choice for this batch, context and SM count.
+        config: tile configuration (default :func:`~flashpage.ops.paged_launch.default_decode_config`);
+            a config with ``heads_per_program > 0`` keeps it.
+    Raises:
+        ValueError / TypeError naming the bad argument.
     """
     for name, val in (
         ("batch", batch),
@@ -131,17 +226,11 @@ def plan_decode(
     kv_dtype = kv_dtype or q_dtype
     if kv_dtype != q_dtype and not is_fp8_dtype(kv_dtype):
         raise TypeError(f"kv_dtype {kv_dtype} must be q_dtype {q_dtype} or torch.float8_e4m3fn")
-    config = config or default_decode_config(kv_dtype, head_dim)
-    config, tiles, splits = resolve_launch(
-        config, num_splits, batch, seqlen_q, nheads, nheads_k, kv_dtype, max_seqlen_k, device
-    )
-    workspace = (
-        allocate_workspace(
-            batch * seqlen_q, nheads, splits, head_dim, device, batch * tiles.head_programs * tiles.q_tiles
-        )
-        if splits > 1
-        else None
-    )
+    choice = choose_launch(
+        config or default_decode_config(kv_dtype, head_dim), num_splits, batch, seqlen_q, nheads, nheads_k,
+        kv_dtype, max_seqlen_k, default_num_sms(device),
+    )  # fmt: skip
+    splits, tiles = choice.num_splits, choice.tiles
     return DecodePlan(
         batch=batch,
         nheads=nheads,
@@ -152,14 +241,16 @@ def plan_decode(
         q_dtype=q_dtype,
         kv_dtype=kv_dtype,
         num_splits=splits,
-        config=config,
+        config=choice.config,
         block_m=tiles.block_m,
-        grid=paged_grid(config, tiles.q_tiles, splits, tiles.head_programs, batch),
+        grid=paged_grid(choice.config, tiles.q_tiles, splits, tiles.head_programs, batch),
         softmax_scale=softmax_scale if softmax_scale is not None else head_dim**-0.5,
         causal=causal,
         window_size=window_size,
         softcap=softcap,
-        workspace=workspace,
+        workspace=allocate_workspace(batch * seqlen_q, nheads, splits, head_dim, device)
+        if splits > 1
+        else None,
     )
 
 
@@ -176,6 +267,10 @@ def run_decode(
     v_scale: Tensor | None = None,
     out: Tensor | None = None,
     lse: Tensor | None = None,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    launcher: PagedLauncher | None = None,
 ) -> Tensor:
     """Launch a planned decode: no device syncs, only shape metadata is compared with the plan.
 
@@ -186,6 +281,8 @@ def run_decode(
         block_table: ``(batch, max_blocks_per_seq)`` int32; cache_seqlens: ``(batch,)`` int32.
         out: optional output buffer shaped like ``q`` (a static buffer for graph capture).
         lse: optional float32 ``(batch * seqlen_q, nheads)`` buffer for the natural-log LSE.
+        softmax_scale, window_size, softcap: override the plan's (``None``: the plan's).
+        launcher: binds the plan's launch on a new tensor layout (default: the eager launcher).
     Returns:
         ``out`` shaped like ``q``.
     """
@@ -203,7 +300,6 @@ def run_decode(
             f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} does not match the plan "
             f"(block_size {plan.block_size}, nheads_k {plan.nheads_k}, {plan.kv_dtype})"
         )
-    qp = q.reshape(rows, plan.nheads, plan.head_dim)
     if out is None:
         out = q.new_empty(q.shape)  # contiguous whatever q's strides (q may be a slice of a qkv tensor)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
@@ -214,11 +310,19 @@ def run_decode(
             f"lse must be a float32 ({rows}, {plan.nheads}) tensor (batch * seqlen_q, nheads), "
             f"got {tuple(lse.shape)} {lse.dtype}"
         )
-    plan.launches.launch(
-        qp, k_cache, v_cache, out.view(rows, plan.nheads, plan.head_dim), cache_seqlens,
-        max_seqlen_q=plan.seqlen_q, block_table=block_table, lse=lse.t() if lse is not None else None,
-        softmax_scale=plan.softmax_scale, causal=plan.causal, window_size=plan.window_size,
-        softcap=plan.softcap, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
-        num_splits=plan.num_splits, config=plan.config, workspace=plan.workspace,
+    problem = PagedProblem(
+        q.reshape(rows, plan.nheads, plan.head_dim), k_cache, v_cache, out.view(rows, plan.nheads, plan.head_dim),
+        cache_seqlens, plan.seqlen_q, plan.softmax_scale if softmax_scale is None else softmax_scale,
+        block_table=block_table, lse=lse.t() if lse is not None else None, causal=plan.causal,
+        window_size=plan.window_size if window_size is None else window_size,
+        softcap=plan.softcap if softcap is None else softcap, alibi_slopes=alibi_slopes,
+        k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
+    slot = plan.bound
+    key = problem.layout_key()
+    if slot.launch is not None and slot.key == key:
+        slot.launch.relaunch(problem)
+        return out
+    bound = (launcher or eager_launcher()).bind(problem, plan.config, plan.num_splits, plan.workspace)
+    slot.key, slot.launch = (key, bound) if bound is not None else (None, None)
     return out

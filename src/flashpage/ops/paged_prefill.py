@@ -7,7 +7,7 @@ so with ``causal=True`` query ``i`` sees keys ``0 .. seqlens_k[b] - q_len[b] + i
 alignment). This is what prefix caching (a cached prefix plus a new suffix) and chunked prefill (a
 long prompt fed in chunks) need.
 
-The kernel is the paged attention kernel of :mod:`flashpage.ops.paged_decode` launched with prefill
+The kernel is the paged attention kernel of :mod:`flashpage.ops.paged_kernel` launched with prefill
 tiles: ``BLOCK_M`` = 128 rows (``128 // group`` query tokens x the GQA group, so K/V are read once
 per group), ``BLOCK_N`` = 64 keys. KV tiles wholly above the causal diagonal or left of the window
 are never visited; tiles wholly inside run without masks; the tiles crossing the diagonal, the
@@ -19,15 +19,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flashpage.ops.flash_configs import gpu_family, triton_version
-from flashpage.ops.paged_decode import (
-    EAGER_LAUNCHES,
+from flashpage.ops.paged_launch import (
     PagedAttnConfig,
+    PagedProblem,
     check_paged_cache,
     check_paged_values,
     default_decode_config,
-    resolve_launch,
+    eager_launcher,
 )
+from flashpage.ops.paged_plan import choose_launch
+from flashpage.ops.utils import default_num_sms, gpu_family, triton_version
 
 __all__ = [
     "DECODE_ROWS",
@@ -55,23 +56,10 @@ def default_prefill_config(
             tokens) through TMA descriptors; ``None``: where the installed triton gains from it
             (>= 3.9, below). Smaller pages always take pointer loads.
 
-    On Hopper with a 16-bit cache (H200, 4 x 2048 new tokens after a 2048-token paged prefix, block
-    size 16, bf16, 2026-12-03; benchmarks/results/decode-h200.json): d <= 128, GQA 32/8: 128 x 128 tiles,
-    3 stages, ``prefetch_table`` (374 TFLOP/s = 0.92x the flash kernel on contiguous KV; 339 without
-    the prefetch, whose gathered tiles get one buffer; it applies only to pages smaller than a tile).
-    d=256, GQA 16/4: 128 x 64 tiles, 3 stages (396 = 0.97x at b81af5d, 386 with 2 stages; 4 stages
-    395; the 64 x 64 8-warp tiles used before: 215; the table prefetch at 3 stages does not fit in
-    shared memory). Pages that hold whole tiles (>= 128 tokens at d <= 128, >= 64 at d=256) take
-    TMA-loaded tiles (2 and 3 stages) under triton >= 3.9 only, where pointer-loaded tiles carry
-    proxy fences and extra barriers per tile between the ``cp.async`` writes and the wgmma reads
-    (``benchmarks/README.md``, triton 3.9 on an H100, 128-token pages: TMA 413-415 / 491 TFLOP/s at
-    d=128 / 256, 16-token pointer-loaded pages 373-378 / 463-468; pointer-loaded 128-token pages
-    not yet timed under 3.9: ``flashpage bench decode`` now times both paths). Under older triton the
-    pointer-loaded tiles read faster on the same 128-token pages (H100, triton 3.6, ``flashpage
-    bench decode`` at 61c4902, same run): d=128 418 vs 394 with TMA (the flash kernel 410), d=256
-    471 vs 393 (flash 434); on the H200 at 61a4346 the TMA rows read 0.92x / 0.89x the flash kernel
-    where 16-token pages read 0.94x / 1.00x. Elsewhere (Ampere: less shared memory; not measured
-    here): 128 x 64, 8 warps; 64 x 64 above d=128.
+    Hopper, 16-bit caches: 128 x 128 tiles, 8 warps (d <= 128; 3 stages with the table prefetch for
+    pages smaller than a tile, TMA for pages that hold whole tiles under triton >= 3.9, where
+    pointer-loaded tiles carry extra fences); 128 x 64, 3 stages above d=128. Elsewhere: 128 x 64
+    (64 x 64 above d=128), 8 warps. Why: the fastest measured on H100/H200 (docs/perf-notes.md).
     """
     hopper = device is not None and gpu_family(device) == "hopper"
     page = block_size or 0
@@ -200,7 +188,7 @@ def paged_prefill(
         )
     config = config or default_prefill_config(d, q.device, k_cache.dtype, k_cache.shape[1])
     seqlen_bound = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * k_cache.shape[1]
-    config, _, splits = resolve_launch(
+    choice = choose_launch(
         config,
         num_splits,
         batch,
@@ -209,16 +197,15 @@ def paged_prefill(
         k_cache.shape[2],
         k_cache.dtype,
         seqlen_bound,
-        q.device,
+        default_num_sms(q.device),
     )
     out = torch.empty_like(q)
     lse = torch.empty(nheads, total_q, dtype=torch.float32, device=q.device) if return_lse else None
     if total_q and batch:
-        EAGER_LAUNCHES.launch(
-            q, k_cache, v_cache, out, seqlens_k, max_seqlen_q=max_seqlen_q, block_table=block_table,
-            cu_seqlens_q=cu_seqlens_q, lse=lse,
-            softmax_scale=softmax_scale if softmax_scale is not None else d**-0.5, causal=causal,
-            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, k_scale=k_scale,
-            v_scale=v_scale, num_splits=splits, config=config,
+        problem = PagedProblem(
+            q, k_cache, v_cache, out, seqlens_k, max_seqlen_q, softmax_scale if softmax_scale is not None else d**-0.5,
+            block_table=block_table, cu_seqlens_q=cu_seqlens_q, lse=lse, causal=causal, window_size=window_size,
+            softcap=softcap, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
+        eager_launcher().launch(problem, choice.config, choice.num_splits)
     return (out, lse) if lse is not None else out
