@@ -213,6 +213,12 @@ def _add_serve_parser(sub: Any) -> None:
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (or CPU processes) per model")
+    e.add_argument(
+        "--engine-in-thread",
+        action="store_true",
+        help="step the engine in a thread of the server process instead of a process of its own "
+        "(shares the GIL with HTTP handling: slower at high concurrency)",
+    )
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -252,6 +258,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        engine_process=not args.engine_in_thread,
     )
     metrics.model_name = config.served_model_names[0] if config.served_model_names else engine.model_name
     return run_server(engine, config, metrics)

@@ -136,3 +136,66 @@ def test_shutdown_and_fail_all_end_the_streams(tiny_loaded: Any) -> None:
             llm.add_request([1], SamplingParams())
 
     asyncio.run(after())
+
+
+def test_engine_process() -> None:
+    """The engine in a child process: same greedy tokens as in a thread, rejections at the first
+    iteration, aborts free the cache, a dead child fails what is left."""
+    import os
+    import signal
+    import time
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    kw = {"dtype": "float32", "device": "cpu", "kv_cache_bytes": 32 * 2**20, "max_num_seqs": 8}
+    ref = LLM(model="smollm2-135m-instruct", **kw).generate(
+        ["The capital of France is"], greedy, use_tqdm=False
+    )
+    llm = AsyncLLM("smollm2-135m-instruct", engine_process=True, **kw)
+    assert llm.core is None and llm.info.max_num_seqs == 8 and llm.tokenizer is not None
+    assert llm.render_chat([{"role": "user", "content": "Hi"}])[1]
+
+    rich = SamplingParams(temperature=0.0, max_tokens=6, n=2, logprobs=2, prompt_logprobs=1, stop=["zzz"])
+    ref_rich = LLM(model="smollm2-135m-instruct", **kw).generate(["Hello there"], rich, use_tqdm=False)[0]
+
+    async def main() -> None:
+        outs = [o async for o in llm.generate("The capital of France is", greedy)]
+        assert outs[-1].finished and outs[-1].outputs[0].token_ids == ref[0].outputs[0].token_ids
+        # Every field rebuilt from the child's deltas equals the engine's own output.
+        got = [o async for o in llm.generate("Hello there", rich)][-1]
+        assert got.prompt_token_ids == ref_rich.prompt_token_ids
+        assert [float(next(iter(d.values()))) if d else None for d in got.prompt_logprobs] == [
+            float(next(iter(d.values()))) if d else None for d in ref_rich.prompt_logprobs
+        ]
+        for a, b in zip(got.outputs, ref_rich.outputs):
+            assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
+            assert [{t: float(v) for t, v in d.items()} for d in a.logprobs] == [
+                {t: float(v) for t, v in d.items()} for d in b.logprobs
+            ]
+            assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob)
+        assert len(got.metrics.token_times) == len(got.outputs[0].token_ids)
+        with pytest.raises(ValueError, match="max_tokens"):
+            async for _ in llm.generate([1, 2, 3], SamplingParams(max_tokens=10**6)):
+                pass
+        stream = llm.add_request([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
+        await stream.__anext__()
+        await stream.aclose()
+        for _ in range(200):
+            if llm.gauges.kv_blocks_used == 0 and llm.gauges.num_running == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert llm.gauges.kv_blocks_used == 0
+        stream = llm.add_request([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
+        await stream.__anext__()
+        os.kill(llm._driver._proc.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="process"):
+            async for _ in stream:
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 180))
+        deadline = time.monotonic() + 10
+        while llm.is_running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not llm.is_running
+    finally:
+        llm.shutdown()

@@ -125,7 +125,7 @@ def test_a_failing_step_fails_its_requests_not_the_server(smollm_loaded: Any) ->
 
         def flaky(*a: Any, **k: Any) -> Any:
             calls["n"] += 1
-            if calls["n"] == 1:
+            if calls["n"] == 1:  # this call's step fails
                 raise RuntimeError("injected failure")
             return real(*a, **k)
 
@@ -136,9 +136,10 @@ def test_a_failing_step_fails_its_requests_not_the_server(smollm_loaded: Any) ->
         assert "Traceback" not in r.text
         ok = httpx.post(s.v1 + "/completions", json=body, timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
-        # The same inside a stream: an error event, then [DONE].
-        calls["n"] = 0
+        # Inside a stream, once tokens have been sent: an error event, then [DONE].
+        calls["n"] = -2  # the third step from now fails
         with httpx.stream("POST", s.v1 + "/completions", json={**body, "stream": True}, timeout=60) as r:
             lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-        assert "injected" in lines[0] and lines[-1] == "data: [DONE]"
+        assert r.status_code == 200 and "injected" not in lines[0]
+        assert "injected" in lines[-2] and lines[-1] == "data: [DONE]"
         s.engine.core.block_manager.check_integrity()

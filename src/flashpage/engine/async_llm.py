@@ -7,47 +7,52 @@
         print(out.outputs[0].delta_text, end="")
     llm.shutdown()
 
-One background thread owns the :class:`~flashpage.engine.engine_core.EngineCore`: it applies aborts,
-runs ``step()`` while any request is unfinished, and hands each request's outputs to the event loop
-that asked for it (``loop.call_soon_threadsafe``). So HTTP handling never waits on a step and a step
-never waits on HTTP; requests from many clients join the running batch at the next step.
+One background thread drives the engine (:mod:`flashpage.engine.engine_proc`): in this thread
+(default), or in a process of its own (``engine_process=True``, what ``flashpage serve`` uses, so
+HTTP handling never shares the engine's GIL). It applies aborts, lets the engine step while any
+request is unfinished, and hands each step's outputs to the event loops that asked for them, one
+wake-up per loop per step. Requests from many clients join the running batch at the next step.
 
 Guarantees:
 
 * A request whose consumer stops iterating (a client that disconnected, a cancelled task) is
   aborted: its KV blocks are freed at once when no step is running, else right after the step.
-* An exception inside a step fails the requests of that step (their iterators raise
-  :class:`EngineStepError`) and the loop goes on with new requests; it never stops the engine.
-* Engine state is mutated only by the loop thread (``add_request`` only appends to the engine's
-  inbox), so the gauges it publishes are consistent snapshots.
+* An exception inside a step fails the requests in the engine (their iterators raise
+  :class:`EngineStepError`) and the engine goes on with new requests.
+* Engine state is mutated only between steps by the thread (or process) that steps it, so the
+  gauges it publishes are consistent snapshots.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from flashpage.engine.engine_core import EngineConfig, EngineCore
+from flashpage.engine.engine_proc import EngineEvent, EngineGauges, EngineInfo, ProcessDriver, ThreadDriver
 from flashpage.engine.outputs import RequestOutput
 from flashpage.engine.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLM", "EngineDeadError", "EngineGauges", "EngineStepError", "RequestStream", "StepReport"]
+__all__ = [
+    "AsyncLLM",
+    "EngineDeadError",
+    "EngineGauges",
+    "EngineInfo",
+    "EngineStepError",
+    "RequestStream",
+    "StepReport",
+]
 
 log = logging.getLogger("flashpage.engine")
 
 # Delivered to the stream of a request aborted by the caller: its iterator ends.
 _ABORTED = object()
-
-# Longest the loop thread sleeps with no work before it re-checks the stop flag.
-_IDLE_WAIT_S = 0.25
 
 
 class EngineStepError(RuntimeError):
@@ -55,31 +60,7 @@ class EngineStepError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine was shut down before the request finished."""
-
-
-@dataclass
-class EngineGauges:
-    """A consistent snapshot of the engine's load, taken by the loop thread.
-
-    Attributes:
-        num_running: requests with at least one sequence scheduled in the batch.
-        num_waiting: requests queued but not yet admitted (or preempted back to the queue).
-        kv_usage: fraction of KV blocks referenced by sequences, ``[0, 1]``.
-        kv_blocks_used / kv_blocks_total: the same in blocks.
-        prefix_cache_hit_rate: fraction of looked-up prompt blocks found in the prefix cache.
-        num_preemptions: preemptions since start-up.
-        time: ``time.time()`` of the snapshot.
-    """
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    prefix_cache_hit_rate: float = 0.0
-    num_preemptions: int = 0
-    time: float = 0.0
+    """The engine was shut down (or its process died) before the request finished."""
 
 
 @dataclass
@@ -88,8 +69,8 @@ class StepReport:
 
     Attributes:
         outputs: the step's request outputs (deltas for streaming requests, finals).
-        decisions: ``{(phase, kernel, num_splits): steps}`` run by this step (one entry per step
-            with work; empty for an idle refresh).
+        decisions: ``{(phase, kernel, num_splits): steps}`` run by this step (empty for an idle
+            refresh).
         gauges: the snapshot after the step.
         duration_s: wall time of the step.
     """
@@ -109,7 +90,8 @@ class RequestStream:
     """The outputs of one request added by :meth:`AsyncLLM.add_request`.
 
     An async iterator of :class:`RequestOutput` that ends after the final output; ``aclose()`` (or
-    leaving ``async with``) before that aborts the request.
+    leaving ``async with``) before that aborts the request. With an engine process a request the
+    engine rejects raises its ``ValueError`` at the first iteration.
     """
 
     def __init__(
@@ -132,7 +114,7 @@ class RequestStream:
             self.finished = True
             raise StopAsyncIteration
         if isinstance(item, BaseException):
-            self.finished = True  # the engine thread already removed and aborted it
+            self.finished = True  # already removed (and aborted) by the engine side
             raise item
         self.finished = item.finished
         return item
@@ -152,22 +134,24 @@ class RequestStream:
 
 @dataclass
 class _LoopState:
-    """State shared between the event loop and the engine thread (guarded by ``lock``)."""
+    """State shared between the event loops and the engine thread (guarded by ``lock``)."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     streams: dict[str, RequestStream] = field(default_factory=dict)
-    aborts: list[str] = field(default_factory=list)
     stop: bool = False
 
 
 class AsyncLLM:
-    """An asyncio front end to one engine, stepped by a background thread.
+    """An asyncio front end to one engine.
 
     Args:
         model: as :class:`~flashpage.engine.llm.LLM` (built-in name, HF directory, ``.gguf``, or a
-            loaded model).
+            loaded model; a loaded model needs ``engine_process=False``).
         observer: called in the engine thread with a :class:`StepReport` after every step and on
             idle refreshes (metrics); it must be quick and must not raise.
+        engine_process: run the engine in a child process (it loads the model and owns the GPU);
+            the default steps it in a thread of this process, where it stays inspectable
+            (:attr:`core`).
         **engine_kwargs: the other :class:`~flashpage.engine.engine_core.EngineConfig` options.
     Raises:
         ValueError: a bad option (naming it) or a model that cannot be loaded.
@@ -178,45 +162,61 @@ class AsyncLLM:
         model: Any = "smollm2-135m-instruct",
         *,
         observer: Callable[[StepReport], None] | None = None,
+        engine_process: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         core = engine_kwargs.pop("engine", None)
-        self.core: EngineCore = (
-            core if core is not None else EngineCore(EngineConfig(model=model, **engine_kwargs))
-        )
+        self.core: EngineCore | None = None
+        if core is not None:
+            self.core = core
+            self._driver: ThreadDriver | ProcessDriver = ThreadDriver(core)
+        elif engine_process:
+            self._driver = ProcessDriver(EngineConfig(model=model, **engine_kwargs))
+        else:
+            self.core = EngineCore(EngineConfig(model=model, **engine_kwargs))
+            self._driver = ThreadDriver(self.core)
+        self.info: EngineInfo = self._driver.info
+        self._frontend = self._driver.frontend
         self._observer = observer
         self._state = _LoopState()
-        self._wake = threading.Event()
         self._gauges = EngineGauges()
-        self._decision_steps: dict[str, int] = {}
-        self._ids = itertools.count()
-        self._refresh_gauges()
+        self._phases: list[dict[str, Any]] = []
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="flashpage-engine", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_engine(cls, core: EngineCore, observer: Callable[[StepReport], None] | None = None) -> AsyncLLM:
-        """Wrap an existing engine (the caller must not step it any more)."""
+        """Wrap an existing engine in this process (the caller must not step it any more)."""
         return cls(engine=core, observer=observer)
 
     # ------------------------------------------------------------------ properties
 
     @property
     def tokenizer(self) -> Any:
-        return self.core.tokenizer
+        return self.info.tokenizer
 
     @property
     def model_name(self) -> str:
-        return self.core.model_name
+        return self.info.model_name
 
     @property
     def max_model_len(self) -> int:
-        return self.core.max_model_len
+        return self.info.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.info.max_num_seqs
 
     @property
     def gauges(self) -> EngineGauges:
         """The latest snapshot (updated after every step and when the engine goes idle)."""
         return self._gauges
+
+    @property
+    def phases(self) -> list[dict[str, Any]]:
+        """Per phase, the roofline planner's latest choice and its step count."""
+        return self._phases
 
     @property
     def is_running(self) -> bool:
@@ -227,9 +227,13 @@ class AsyncLLM:
         with self._state.lock:
             return len(self._state.streams)
 
-    def stats(self) -> dict[str, Any]:
-        """:meth:`EngineCore.stats` (read from this thread: counters may be mid-step)."""
-        return self.core.stats()
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize with the model's tokenizer."""
+        return self._frontend.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> tuple[str, list[int]]:
+        """:meth:`EngineCore.render_chat` (the model's chat template), in this process."""
+        return self._frontend.render_chat(messages, **kwargs)
 
     # ------------------------------------------------------------------ requests
 
@@ -246,9 +250,10 @@ class AsyncLLM:
         """Add a request now and return the stream of its outputs.
 
         Call from a running event loop, or from a worker thread with ``loop`` (a guided request
-        compiles its grammar here, which can take a fraction of a second: keep that off the loop).
-        The outputs are delivered to that loop. Use the stream as an async iterator, or
-        ``async with``: leaving it before the request finished aborts it.
+        compiles its grammar here when the engine runs in this process, which can take a fraction
+        of a second: keep that off the loop). The outputs are delivered to that loop. Use the
+        stream as an async iterator, or ``async with``: leaving it before the request finished
+        aborts it.
 
         Args:
             prompt: text, token ids, or ``None`` with ``prompt_token_ids``.
@@ -258,7 +263,8 @@ class AsyncLLM:
             stream: yield a snapshot (with ``delta_text`` / ``delta_token_ids``) every step that adds
                 tokens; else only the final output.
         Raises:
-            ValueError: a bad request (naming the field); nothing was added.
+            ValueError: a bad request (naming the field); nothing was added. With an engine
+                process, checks that need the engine raise at the stream's first iteration.
             EngineDeadError: the engine is shut down.
         """
         if not self.is_running:
@@ -271,14 +277,11 @@ class AsyncLLM:
                 raise ValueError(f"request_id: {rid!r} is already in use by an unfinished request")
             st.streams[rid] = handle
         try:
-            self.core.add_request(
-                rid, prompt, sampling_params, prompt_token_ids=prompt_token_ids, stream=stream
-            )
+            self._driver.add(rid, prompt, sampling_params, prompt_token_ids, stream)
         except BaseException:
             with st.lock:
                 st.streams.pop(rid, None)
             raise
-        self._wake.set()
         return handle
 
     async def generate(
@@ -313,140 +316,93 @@ class AsyncLLM:
     def fail_all(self, message: str) -> int:
         """End every unfinished request: each iterator raises :class:`EngineDeadError` with
         ``message`` and the engine aborts the request. Safe from any thread; returns how many."""
+        return self._fail(EngineDeadError(message))
+
+    def _fail(self, err: BaseException) -> int:
         st = self._state
         with st.lock:
             streams, st.streams = st.streams, {}
-            st.aborts.extend(streams)
-        self._wake.set()
-        for s in streams.values():
-            self._deliver(s, EngineDeadError(message))
+        if streams:
+            self._driver.abort(list(streams))
+        self._deliver(list(streams.values()), err)
         return len(streams)
 
     def _abort_ids(self, ids: list[str]) -> None:
         st = self._state
         with st.lock:
             popped = [s for s in (st.streams.pop(rid, None) for rid in ids) if s is not None]
-            st.aborts.extend(ids)
-        self._wake.set()
-        for s in popped:
-            self._deliver(s, _ABORTED)
+        self._driver.abort(ids)
+        self._deliver(popped, _ABORTED)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Tokenize with the model's tokenizer."""
-        return self.core.encode(text, add_special_tokens=add_special_tokens)
+    @staticmethod
+    def _deliver(streams: list[RequestStream], item: Any) -> None:
+        """Put ``item`` on every stream, one wake-up per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        for s in streams:
+            by_loop.setdefault(s.loop, []).append((s, item))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+                loop.call_soon_threadsafe(_fan_out, items)
 
     # ------------------------------------------------------------------ the engine thread
 
     def _run(self) -> None:
-        st = self._state
-        while True:
-            with st.lock:
-                aborts, st.aborts = st.aborts, []
-                stop = st.stop
-            if aborts:
-                self.core.abort_request(aborts)
-            if stop:
+        reason = "the engine was shut down before the request finished"
+        while not self._state.stop:
+            try:
+                event = self._driver.next_event()
+            except (EOFError, OSError) as e:
+                log.error("the engine process is gone: %s", e)
+                reason = f"the engine process stopped: {e}"
                 break
-            if self.core.has_unfinished():
-                self._step()
-                continue
-            self._refresh_gauges()
-            self._report(StepReport([], {}, self._gauges))
-            self._wake.wait(_IDLE_WAIT_S)
-            self._wake.clear()
-        self._fail_all(EngineDeadError("the engine was shut down before the request finished"))
+            if event is not None:
+                self._handle(event)
+        with self._state.lock:
+            self._state.stop = True
+        self._fail(EngineDeadError(reason))
 
-    def _step(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            outputs = self.core.step()
-        except Exception as e:  # one bad step must not stop the server
-            log.exception("engine step failed; aborting the requests in it")
-            self._fail_all(EngineStepError(f"the engine step failed: {type(e).__name__}: {e}"))
-            return
-        dt = time.perf_counter() - t0
-        decisions = self._new_decisions()
-        if not outputs and not decisions:
-            # Nothing could be scheduled (e.g. waiting for blocks): do not spin.
-            time.sleep(0.001)
+    def _handle(self, event: EngineEvent) -> None:
         st = self._state
-        # One wake-up of each event loop per step, not one per request.
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        if event.kind == "reject":
+            with st.lock:
+                s = st.streams.pop(event.request_id or "", None)
+            if s is not None:
+                self._deliver([s], ValueError(event.error))
+            return
+        if event.kind == "fail":
+            self._fail(EngineStepError(event.error or "the engine step failed"))
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         with st.lock:
-            for out in outputs:
+            for out in event.outputs:
                 s = st.streams.pop(out.request_id, None) if out.finished else st.streams.get(out.request_id)
                 if s is not None:
                     batches.setdefault(s.loop, []).append((s, out))
         for loop, items in batches.items():
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_fan_out, items)
-        self._refresh_gauges()
-        self._report(StepReport(outputs, decisions, self._gauges, dt))
-
-    def _new_decisions(self) -> dict[tuple[str, str, int], int]:
-        """Steps run per (phase, kernel, split count) since the last call."""
-        new: dict[tuple[str, str, int], int] = {}
-        for phase, d in self.core.runner.decisions.items():
-            prev = self._decision_steps.get(phase, 0)
-            if d.steps > prev:
-                c = d.choice
-                key = (phase, str(c.kernel), int(c.num_splits or 1))
-                new[key] = new.get(key, 0) + d.steps - prev
-                self._decision_steps[phase] = d.steps
-        return new
-
-    def _refresh_gauges(self) -> None:
-        core = self.core
-        sched = core.scheduler
-        u = core.block_manager.usage()
-        running = {s.request.request_id for s in sched.running}
-        waiting = {s.request.request_id for s in sched.waiting} - running
-        pending_adds = max(0, core.num_waiting - len(sched.waiting))
-        self._gauges = EngineGauges(
-            num_running=len(running),
-            num_waiting=len(waiting) + pending_adds,
-            kv_usage=u.used_blocks / u.num_blocks if u.num_blocks else 0.0,
-            kv_blocks_used=u.used_blocks,
-            kv_blocks_total=u.num_blocks,
-            prefix_cache_hit_rate=float(core.block_manager.prefix_cache_hit_rate),
-            num_preemptions=int(sched.num_preemptions),
-            time=time.time(),
-        )
-
-    def _report(self, report: StepReport) -> None:
-        if self._observer is None:
-            return
-        try:
-            self._observer(report)
-        except Exception:
-            log.exception("engine observer failed")
-
-    @staticmethod
-    def _deliver(s: RequestStream, item: Any) -> None:
-        # A closed event loop raises RuntimeError: nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, item)
-
-    def _fail_all(self, err: BaseException) -> None:
-        st = self._state
-        with st.lock:
-            streams, st.streams = st.streams, {}
-        if streams:
-            self.core.abort_request(list(streams))
-        for s in streams.values():
-            self._deliver(s, err)
+        if event.gauges is not None:
+            self._gauges = event.gauges
+        if event.phases:
+            self._phases = event.phases
+        if self._observer is not None:
+            try:
+                self._observer(StepReport(event.outputs, event.decisions, self._gauges, event.duration_s))
+            except Exception:
+                log.exception("engine observer failed")
 
     # ------------------------------------------------------------------ shutdown
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread (unfinished requests fail with :class:`EngineDeadError`) and
-        release the KV cache. Idempotent."""
+        """Stop the engine (unfinished requests fail with :class:`EngineDeadError`) and release
+        the KV cache (and the engine process). Idempotent."""
         with self._state.lock:
             self._state.stop = True
-        self._wake.set()
+            closed, self._closed = self._closed, True
+        self._driver.wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-        self.core.close()
+        if not closed:
+            self._driver.close()
 
     async def __aenter__(self) -> AsyncLLM:
         return self

@@ -205,7 +205,14 @@ def _sse(obj: Any) -> str:
     return f"data: {body}\n\n"
 
 
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _prepend(first: RequestOutput, rest: RequestStream) -> AsyncIterator[RequestOutput]:
+    yield first
+    if not first.finished:
+        async for out in rest:
+            yield out
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several request streams as they come, tagged with the stream's position."""
     if len(streams) == 1:
         async for out in streams[0]:
@@ -214,7 +221,7 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     queue: asyncio.Queue[Any] = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, s: RequestStream) -> None:
+    async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
         try:
             async for out in s:
                 await queue.put((i, out))
@@ -274,7 +281,7 @@ class _Server:
             )
         # Requests beyond the batch's slots wait for sure; the last step's snapshot adds those held
         # back by KV-cache space.
-        slots = eng.core.config.max_num_seqs
+        slots = eng.max_num_seqs
         waiting = max(eng.gauges.num_waiting, eng.num_unfinished() - slots, 0)
         if waiting + new > cfg.max_queue:
             raise ApiError(
@@ -373,11 +380,26 @@ class _Server:
             for st in streams:
                 await st.aclose()
 
+        # Wait for every request's first output before answering: a request the engine refuses
+        # (with an engine process some checks run there) is then still a plain 400.
+        sources: list[AsyncIterator[RequestOutput]] = []
+        try:
+            for st in streams:
+                sources.append(_prepend(await st.__anext__(), st))
+        except ValueError as e:
+            await close_all()
+            raise ApiError.bad_request(e) from None
+        except (EngineStepError, EngineDeadError, StopAsyncIteration) as e:
+            await close_all()
+            dead = not isinstance(e, EngineStepError)
+            msg = str(e) or "the request was aborted before it started"
+            raise ApiError(503 if dead else 500, msg, type="server_error") from None
+
         if stream:
 
             async def body() -> AsyncIterator[str]:
                 try:
-                    async for ev in events(_merge(streams)):
+                    async for ev in events(_merge(sources)):
                         yield ev
                 except (EngineStepError, EngineDeadError) as e:
                     err = P.ErrorResponse(error=P.ErrorBody(message=str(e), type="server_error"))
@@ -393,7 +415,7 @@ class _Server:
         finals: list[RequestOutput | None] = [None] * len(streams)
 
         async def gather() -> None:
-            async for i, out in _merge(streams):
+            async for i, out in _merge(sources):
                 if out.finished:
                     finals[i] = out
 
@@ -587,7 +609,7 @@ def build_app(
         try:
             conv = req.conversation()
             text, ids = await asyncio.to_thread(
-                engine.core.render_chat,
+                engine.render_chat,
                 conv,
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                 chat_template=req.chat_template,
@@ -625,46 +647,23 @@ def build_app(
 def _page_stats(state: _ServerState) -> dict[str, Any]:
     """The live panel's JSON: the metrics summary plus the roofline of each phase's kernel."""
     eng = state.engine
+    info = eng.info
     out = state.metrics.summary()
-    runner = eng.core.runner
-    prof = getattr(runner, "profile", None)
-    phases = []
-    for ph, d in list(runner.decisions.items()):
-        c = d.choice
-        phases.append(
-            {
-                "phase": ph,
-                "kernel": c.kernel,
-                "num_splits": c.num_splits,
-                "intensity": c.intensity,
-                "ridge": c.ridge,
-                "bound": c.bound,
-                "steps": d.steps,
-            }
-        )
+    keys = ("phase", "kernel", "num_splits", "intensity", "ridge", "bound", "steps")
     out.update(
         {
-            "model": eng.model_name,
+            "model": info.model_name,
             "served_model_names": list(state.names),
-            "max_model_len": eng.max_model_len,
-            "device": str(eng.core.device),
-            "dtype": str(eng.core.dtype).removeprefix("torch."),
-            "hardware": getattr(prof, "name", None),
-            "peak_tflops": _peak_tflops(prof, eng.core.dtype),
-            "peak_tbps": (prof.hbm_bandwidth / 1e12) if prof is not None else None,
-            "phases": phases,
+            "max_model_len": info.max_model_len,
+            "device": info.device,
+            "dtype": info.dtype,
+            "hardware": info.hardware,
+            "peak_tflops": info.peak_tflops,
+            "peak_tbps": info.peak_tbps,
+            "phases": [{k: p.get(k) for k in keys} for p in eng.phases],
         }
     )
     return out
-
-
-def _peak_tflops(prof: Any, dtype: Any) -> float | None:
-    if prof is None:
-        return None
-    name = str(dtype).removeprefix("torch.")
-    peaks = getattr(prof, "peak_flops", {}) or {}
-    v = peaks.get(name) or peaks.get("bfloat16") or (max(peaks.values()) if peaks else None)
-    return v / 1e12 if v else None
 
 
 # ---------------------------------------------------------------------------- completions
