@@ -29,6 +29,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -358,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     base = {"bench": "serve", "impl": "flashpage", "model": w.model + (" (dummy)" if w.load_format == "dummy" else ""),
             "dtype": w.dtype}  # fmt: skip
-    server_ctx = (
-        contextlib.nullcontext(args.url) if args.url else launched_server(w, out_dir / "serve-server.log")
-    )
+    # The server's log goes beside the results only when they go to a scratch directory (--out).
+    log_path = (args.out if args.out else Path(tempfile.gettempdir())) / "serve-server.log"
+    server_ctx = contextlib.nullcontext(args.url) if args.url else launched_server(w, log_path)
     with server_ctx as url:
         model = _served_model(url)
         asyncio.run(run_level(url, model, w.prompts[:2], [4, 4], 2, None))  # warm-up
