@@ -122,6 +122,14 @@ def test_echo_returns_the_prompt(client: Any) -> None:
     prompt = "The capital of France is"
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True)
     assert r.choices[0].text.startswith(prompt) and len(r.choices[0].text) > len(prompt)
+    # With logprobs the prompt's tokens come first, the first one without a logprob (vLLM's shape).
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1
+    )
+    lp = r.choices[0].logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 3 and "".join(lp.tokens) == r.choices[0].text
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
 
 
 def test_chat_logprobs(client: Any) -> None:

@@ -674,10 +674,9 @@ def _usage(prompt_tokens: int, finals: list[RequestOutput]) -> P.UsageInfo:
     return P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=gen, total_tokens=prompt_tokens + gen)
 
 
-def _echo_logprobs(
-    srv: _Server, out: RequestOutput, ids: list[int], k: int
-) -> list[tuple[int, dict[int, float] | None]]:
-    plp = getattr(out, "prompt_logprobs", None) or [None] * len(ids)
+def _echo_logprobs(out: RequestOutput, ids: list[int]) -> list[tuple[int, dict[int, float] | None]]:
+    """The prompt's tokens with their logprobs (the first has none), for ``echo`` + ``logprobs``."""
+    plp = out.prompt_logprobs or [None] * len(ids)
     return [(t, plp[i] if i < len(plp) else None) for i, t in enumerate(ids)]
 
 
@@ -699,7 +698,7 @@ def _completion_body(
             text = (prompt_text + c.text) if req.echo else c.text
             lp = None
             if req.logprobs is not None:
-                entries = _echo_logprobs(srv, out, ids, req.logprobs) if req.echo else []
+                entries = _echo_logprobs(out, ids) if req.echo else []
                 entries += list(zip(c.token_ids, c.logprobs or [None] * len(c.token_ids)))
                 lp = srv.completion_logprobs(entries, 0, req.logprobs)
             choices.append(
@@ -746,7 +745,7 @@ async def _completion_events(
                     prompt_text = text_p if text_p is not None else srv.s.engine.tokenizer.decode(ids)
                     text = prompt_text + text
                     if req.logprobs is not None:
-                        entries += _echo_logprobs(srv, out, ids, req.logprobs)
+                        entries += _echo_logprobs(out, ids)
             if not text and not new_ids and c.finish_reason is None:
                 continue
             lp = None
@@ -883,7 +882,7 @@ def run_server(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics | 
 
     grace = config.graceful_shutdown_s
 
-    class _Server(uvicorn.Server):
+    class _DrainingServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not state.draining:
                 state.draining = True
@@ -902,7 +901,7 @@ def run_server(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics | 
         timeout_graceful_shutdown=math.ceil(grace) + 5,  # a backstop: fail_all ends the requests first
         lifespan="on",
     )
-    server = _Server(uv)
+    server = _DrainingServer(uv)
     # uvicorn drains on SIGINT / SIGTERM and then raises the signal again under the handlers it found:
     # with these in place that re-raise is a no-op and a drained server exits 0.
     previous = {sig: signal.signal(sig, _drained) for sig in (signal.SIGINT, signal.SIGTERM)}
