@@ -336,9 +336,14 @@ class AsyncLLM:
 
     @staticmethod
     def _deliver(streams: list[RequestStream], item: Any) -> None:
-        """Put ``item`` on every stream, one wake-up per event loop."""
+        """Put ``item`` on every stream."""
+        AsyncLLM._deliver_pairs([(s, item) for s in streams])
+
+    @staticmethod
+    def _deliver_pairs(pairs: list[tuple[RequestStream, Any]]) -> None:
+        """Put each item on its stream, one wake-up per event loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
-        for s in streams:
+        for s, item in pairs:
             by_loop.setdefault(s.loop, []).append((s, item))
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
@@ -371,15 +376,13 @@ class AsyncLLM:
             return
         if event.kind == "fail":
             self._fail(EngineStepError(event.error or "the engine step failed"))
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        pairs: list[tuple[RequestStream, Any]] = []
         with st.lock:
             for out in event.outputs:
                 s = st.streams.pop(out.request_id, None) if out.finished else st.streams.get(out.request_id)
                 if s is not None:
-                    batches.setdefault(s.loop, []).append((s, out))
-        for loop, items in batches.items():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_fan_out, items)
+                    pairs.append((s, out))
+        self._deliver_pairs(pairs)
         if event.gauges is not None:
             self._gauges = event.gauges
         if event.phases:

@@ -252,10 +252,6 @@ class ThreadDriver:
     def wake(self) -> None:
         self._wake.set()
 
-    @property
-    def alive(self) -> bool:
-        return True
-
     def close(self) -> None:
         self.core.close()
 
@@ -470,10 +466,6 @@ class ProcessDriver:
 
     def wake(self) -> None:
         pass  # next_event never waits longer than _IDLE_WAIT_S
-
-    @property
-    def alive(self) -> bool:
-        return self._proc.is_alive()
 
     def close(self) -> None:
         with contextlib.suppress(OSError, ValueError):
